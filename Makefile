@@ -1,0 +1,35 @@
+# Every target creates and uses .venv when it is missing; PyTorch is pinned to the CPU build on disk.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: run test bench lint setup model clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
+	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+setup: $(STAMP)
+
+model: setup  ## assemble and convert the embedded model (cached after the first run)
+	$(BIN)/python -m kiln.models.embedded
+
+run: model
+	$(BIN)/kiln chat
+
+test: model
+	$(BIN)/ruff check kiln tests bench
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,bench]'
+	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/long_session.py
+
+lint: setup
+	$(BIN)/ruff check kiln tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

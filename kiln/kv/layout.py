@@ -1,0 +1,64 @@
+"""KVLayout: how a model's attention layers map onto KV pages.
+
+Layers that see the same span of keys (full attention, or one sliding window) share a page table, so a
+page can be released for some layers while others still read it. Every page in the pool has the same
+shape: it holds `slots` layers of K/V for `page_size` positions. A model with 15 sliding-window layers
+and 3 global ones gets slots=3, one global group and five sliding groups: the sliding groups' pages
+outside the window go back to the pool while the global group keeps the whole history (vLLM's hybrid
+allocator does the same).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import reduce
+from math import gcd
+
+from kiln.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers (one per slot) that share page tables; `window` is their sliding window, None = all keys."""
+
+    layers: tuple[int, ...]
+    window: int | None
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    groups: tuple[KVGroup, ...]
+    slots: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, page_size: int) -> KVLayout:
+        by_window: dict[int | None, list[int]] = {}
+        for layer in range(config.num_layers):
+            by_window.setdefault(config.window_of(layer), []).append(layer)
+        slots = reduce(gcd, (len(layers) for layers in by_window.values()))
+        groups = tuple(
+            KVGroup(tuple(layers[i : i + slots]), window)
+            for window, layers in sorted(by_window.items(), key=lambda item: item[0] or 0)
+            for i in range(0, len(layers), slots)
+        )
+        return cls(groups, slots, page_size, config.num_kv_heads, config.head_dim)
+
+    def layer_slots(self) -> list[tuple[int, int]]:
+        """(group index, slot index) of each model layer, indexed by layer."""
+        found = {layer: (g, s) for g, group in enumerate(self.groups) for s, layer in enumerate(group.layers)}
+        return [found[layer] for layer in range(len(found))]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def page_bytes(self, element_size: int) -> int:
+        """Bytes of one page, K and V together."""
+        return 2 * self.slots * self.page_size * self.num_kv_heads * self.head_dim * element_size
+
+    def bytes_per_token(self, element_size: int) -> int:
+        """KV bytes one token costs when every layer keeps it (no window released)."""
+        return self.page_bytes(element_size) * self.num_groups // self.page_size
