@@ -1,0 +1,48 @@
+"""Typed errors. Each maps to one gRPC status code (and the matching HTTP/OpenAI error); the server and
+SDKs translate by `code`, never by parsing messages."""
+
+from __future__ import annotations
+
+import uuid
+
+
+class KilnError(Exception):
+    code = "UNKNOWN"
+
+
+class InvalidArgumentError(KilnError, ValueError):
+    """Bad token ids, bad parameters, malformed or unsupported input files."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class NotFoundError(KilnError, LookupError):
+    """Unknown, closed or evicted session."""
+
+    code = "NOT_FOUND"
+
+
+class FailedPreconditionError(KilnError):
+    """The call is valid but the target is not in a state to take it (e.g. a generate already running)."""
+
+    code = "FAILED_PRECONDITION"
+
+
+class ResourceExhaustedError(KilnError):
+    """KV capacity (or another bounded resource) cannot fit the request even after eviction."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+
+class CancelledError(KilnError):
+    code = "CANCELLED"
+
+
+class InvariantViolation(FailedPreconditionError):
+    """A cache invariant broke: a bug in Kiln. Carries a bug id to quote in a report; only the affected
+    session fails, and the violation is counted by kind."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        self.kind = kind
+        self.bug_id = f"KILN-{kind.upper()}-{uuid.uuid4().hex[:8]}"
+        super().__init__(f"cache invariant {kind} violated ({self.bug_id}): {detail}")
