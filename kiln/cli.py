@@ -1,0 +1,118 @@
+"""`kiln` command line: generate and chat on the embedded model (or --model)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from kiln.client.chat import reply_prefix, turn_closer, turn_text
+from kiln.engine.sampler import SamplingParams
+from kiln.errors import KilnError
+from kiln.llm import LLM
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded Gemma 3 270M)")
+    parser.add_argument("--kv-budget-mb", type=int, default=None, help="memory for KV pages, MiB")
+    parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+
+
+def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=temperature)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def _llm(args: argparse.Namespace) -> LLM:
+    options: dict[str, object] = {}
+    if args.kv_budget_mb:
+        options["kv_budget_bytes"] = args.kv_budget_mb * 1024**2
+    if args.page_size:
+        options["page_size"] = args.page_size
+    if args.threads:
+        options["num_threads"] = args.threads
+    return LLM(args.model, **options)
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    with _llm(args) as llm:
+        session = llm.create_session(llm.tokenizer.encode(args.prompt))
+        for piece in session.generate_text(_params(args)):
+            print(piece, end="", flush=True)
+        print()
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    with _llm(args) as llm:
+        tokenizer = llm.tokenizer
+        session = llm.create_session()
+        interactive = sys.stdin.isatty()
+        print(f"kiln chat: {llm.loaded.config.name or llm.loaded.source.name} (session {session.id[:8]}). Ctrl-D quits.", file=sys.stderr)
+        last_token: int | None = None
+        while True:
+            try:
+                line = input("you> " if interactive else "")
+            except EOFError:
+                break
+            if not line.strip():
+                continue
+            closer = "" if last_token is None else turn_closer(tokenizer, last_token)
+            session.append_text(closer + turn_text("user", line, tokenizer) + reply_prefix(tokenizer))
+            print("model> ", end="", flush=True)
+            started = time.perf_counter()
+            stream = session.generate(_params(args))
+            ids: list[int] = []
+            shown = ""
+            for token in stream:
+                ids.append(token)
+                text = tokenizer.decode(ids)
+                if not text.endswith("\ufffd"):
+                    print(text[len(shown) :], end="", flush=True)
+                    shown = text
+            result = stream.result()
+            last_token = ids[-1] if ids else last_token
+            decode_s = result.total_s - (result.time_to_first_token_s or 0.0)
+            rate = (len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else 0.0
+            ttft = result.time_to_first_token_s or (time.perf_counter() - started)
+            print(
+                f"\n  [prefilled {result.usage.prefilled_tokens} · reused {result.usage.reused_tokens} from cache · "
+                f"TTFT {ttft:.2f} s · {rate:.1f} tok/s · history {len(session.tokens)} tokens]",
+                file=sys.stderr,
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kiln", description="Kiln: a session-native LLM inference runtime")
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="print the continuation of a prompt")
+    generate.add_argument("--prompt", required=True)
+    _engine_args(generate)
+    _sampling_args(generate, max_tokens=64, temperature=0.0)
+    generate.set_defaults(run=cmd_generate)
+    chat = commands.add_parser("chat", help="interactive chat on one session, with per-turn cache statistics")
+    _engine_args(chat)
+    _sampling_args(chat, max_tokens=256, temperature=0.0)
+    chat.set_defaults(run=cmd_chat)
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except KilnError as error:
+        print(f"kiln: {error.code}: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Client-side helpers: what turns conversations into token ids lives here, outside the runtime core."""

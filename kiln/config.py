@@ -1,0 +1,58 @@
+"""EngineConfig: every knob of a Kiln engine in one place; CLI flags mirror these fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from kiln.errors import InvalidArgumentError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF-style directory or .gguf file; None = the embedded Gemma 3 270M
+    device: str = "cpu"
+    dtype: str = "float32"  # weights and activations
+    kv_dtype: str | None = None  # KV pages; None = same as dtype
+    page_size: int = 16  # tokens per KV page
+    kv_budget_bytes: int = 2 * 1024**3  # memory for KV pages; the pool is sized from it at start
+    max_num_seqs: int = 32  # requests in one step
+    max_batched_tokens: int = 1024  # tokens in one step (prefill chunk budget; decode rows count 1)
+    max_model_len: int | None = None  # longest history; None = the model's context length
+    max_sessions: int = 4096  # live sessions; the least recently used idle one is evicted past this
+    session_ttl_s: float = 3600.0  # idle sessions older than this are evicted
+    num_threads: int | None = None  # torch intra-op threads; None = torch's default
+    cache_dir: str | None = None  # converted-weight cache; None = $KILN_CACHE_DIR or ~/.cache/kiln
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("page_size", "kv_budget_bytes", "max_num_seqs", "max_batched_tokens", "max_sessions"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be positive")
+        for name in ("dtype", "kv_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in DTYPES:
+                problems.append(f"{name} must be one of {sorted(DTYPES)}, got {value!r}")
+        if self.session_ttl_s <= 0:
+            problems.append("session_ttl_s must be positive")
+        if problems:
+            raise InvalidArgumentError("invalid engine config: " + "; ".join(problems))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return DTYPES[self.kv_dtype or self.dtype]
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise InvalidArgumentError(f"unknown engine options: {', '.join(unknown)}")
+        return cls(**kwargs)  # type: ignore[arg-type]

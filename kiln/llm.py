@@ -1,0 +1,147 @@
+"""LLM: the in-process Python API. One engine, one session store, the model's tokenizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence as Seq
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from kiln.config import EngineConfig
+from kiln.engine.engine import Engine
+from kiln.engine.sampler import SamplingParams
+from kiln.engine.sequence import Sequence, Usage
+from kiln.engine.stream import GenerationStream
+from kiln.errors import InvalidArgumentError
+from kiln.kv.pages import PageTable
+from kiln.models.loader import LoadedModel, load_model
+from kiln.sessions import SessionInfo, SessionStore
+from kiln.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated
+    text: str  # generated text, cut before a matched stop string
+    finish_reason: str
+    usage: Usage
+    logprobs: list[float] | None
+
+
+class LLM:
+    """`LLM()` serves the embedded Gemma 3 270M; `LLM("dir_or.gguf")` another model. Keyword options
+    are EngineConfig fields (page_size, kv_budget_bytes, ...)."""
+
+    def __init__(self, model: str | Path | None = None, *, loaded: LoadedModel | None = None, **options: object) -> None:
+        self.config = EngineConfig.from_kwargs(model=None if model is None else str(model), **options)
+        cache_dir = Path(self.config.cache_dir) if self.config.cache_dir else None
+        self.loaded = loaded or load_model(self.config.model, cache_dir=cache_dir)
+        self.engine = Engine(self.config, self.loaded)
+        self.sessions = SessionStore(self.engine, self.config.max_sessions, self.config.session_ttl_s)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.loaded.tokenizer
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token costs while every layer keeps it (sliding-window layers later release it)."""
+        return self.engine.cache.layout.bytes_per_token(self.engine.cache.pool.k.element_size())
+
+    def generate(
+        self, prompts: str | Seq[int] | Seq[str | Seq[int]], params: SamplingParams | None = None, **overrides: object
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text, encoded with BOS, or token ids) together in one batch."""
+        params = _params(params, overrides)
+        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else self.engine.validate_tokens(p) for p in batch]
+        streams = []
+        for tokens in token_lists:
+            stream = GenerationStream(self.engine.cancel)
+            seq = Sequence(list(tokens), PageTable.empty(self.engine.cache.layout.num_groups))
+            stream.request = self.engine.submit(seq, params, stream.emit, keep_pages=False)
+            streams.append(stream)
+        return [self._output(tokens, stream) for tokens, stream in zip(token_lists, streams, strict=True)]
+
+    def _output(self, prompt: list[int], stream: GenerationStream) -> RequestOutput:
+        result = stream.result()
+        text = self.tokenizer.decode(result.token_ids)
+        if result.stop_string:
+            text = text[: text.find(result.stop_string)]
+        return RequestOutput(prompt, result.token_ids, text, result.finish_reason, result.usage, result.logprobs)
+
+    def create_session(self, tokens: Seq[int] | None = None, ttl_s: float | None = None) -> Session:
+        return Session(self, self.sessions.create(list(tokens) if tokens is not None else None, ttl_s))
+
+    def get_session(self, session_id: str) -> Session:
+        self.sessions.info(session_id)  # NotFoundError if it is gone
+        return Session(self, session_id)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Session:
+    """A handle on one session of an LLM's store; its history is append-only raw token ids."""
+
+    def __init__(self, llm: LLM, session_id: str) -> None:
+        self.llm = llm
+        self.id = session_id
+
+    def append(self, token_ids: Seq[int]) -> int:
+        return self.llm.sessions.append(self.id, list(token_ids))
+
+    def append_text(self, text: str) -> int:
+        """Tokenize with the model's tokenizer (BOS only at the very start of a history) and append."""
+        first = not self.llm.sessions.tokens(self.id)
+        return self.append(self.llm.tokenizer.encode(text, add_special_tokens=first))
+
+    def generate(self, params: SamplingParams | None = None, **overrides: object) -> GenerationStream:
+        return self.llm.sessions.generate(self.id, _params(params, overrides))
+
+    def generate_text(self, params: SamplingParams | None = None, **overrides: object) -> Iterator[str]:
+        """Stream text pieces: each yields the newly decodable text (multi-byte characters complete)."""
+        stream = self.generate(params, **overrides)
+        ids: list[int] = []
+        emitted = ""
+        with stream:
+            for token in stream:
+                ids.append(token)
+                text = self.llm.tokenizer.decode(ids)
+                if text.endswith("\ufffd"):
+                    continue  # an incomplete UTF-8 sequence: wait for the rest
+                yield text[len(emitted) :]
+                emitted = text
+
+    def fork(self, at: int | None = None) -> Session:
+        return Session(self.llm, self.llm.sessions.fork(self.id, at))
+
+    def close(self) -> None:
+        self.llm.sessions.close(self.id)
+
+    def info(self) -> SessionInfo:
+        return self.llm.sessions.info(self.id)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.llm.sessions.tokens(self.id)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _params(params: SamplingParams | None, overrides: dict[str, object]) -> SamplingParams:
+    try:
+        return replace(params or SamplingParams(), **overrides)  # type: ignore[arg-type]
+    except TypeError as error:
+        raise InvalidArgumentError(f"unknown sampling option: {error}") from None

@@ -1,0 +1,283 @@
+"""SessionStore: server-issued sessions over append-only token histories whose K/V stays in pages.
+
+Each session owns one Sequence. Appends add tokens only; a generate prefills just the tokens whose K/V
+is missing and its output joins the history. Sessions are visible only to the owner that created them
+(an API key, or None in process): to anyone else a session does not exist. Idle sessions are evicted by
+TTL and, under session-count or page pressure, least recently used first; every eviction is counted by
+reason. Invariants are checked after every mutation; a violation fails that session only.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kiln.engine.engine import Engine
+from kiln.engine.sampler import SamplingParams
+from kiln.engine.sequence import Event, FinishEvent, Request, Sequence, Usage
+from kiln.engine.stream import GenerationStream
+from kiln.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    InvariantViolation,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+from kiln.kv.pages import PageTable
+
+TOMBSTONES = 10_000  # ids of ended sessions remembered to explain a NOT_FOUND
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    history_tokens: int
+    computed_tokens: int  # history tokens whose K/V is resident
+    resident_pages: int
+    resident_kv_bytes: int
+    reused_tokens: int  # last generate: history tokens it did not have to compute
+    last_prefill_tokens: int  # last generate: history tokens it computed
+    generating: bool
+    created_at: float  # unix seconds
+    idle_s: float
+    ttl_s: float
+
+
+@dataclass
+class _Session:
+    session_id: str
+    owner: str | None
+    seq: Sequence
+    ttl_s: float
+    created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    active: Request | None = None
+    closed: bool = False
+    failure: InvariantViolation | None = None
+    last_usage: Usage | None = None
+    history_mark: int = 0  # INV-2: the history never gets shorter
+
+
+class SessionStore:
+    def __init__(self, engine: Engine, max_sessions: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
+        self._ended: OrderedDict[str, str] = OrderedDict()  # id -> why it ended
+        self.evictions: Counter[str] = Counter()
+        self.outcomes: Counter[str] = Counter()  # created / closed / evicted / failed
+        self.invariant_violations: Counter[str] = Counter()
+        engine.add_reclaimer(self._evict_for_pages)
+
+    @property
+    def lock(self):  # noqa: ANN201 - the engine's RLock guards sessions and pages together
+        return self.engine.lock
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+
+    def create(self, tokens: list[int] | None = None, ttl_s: float | None = None, owner: str | None = None) -> str:
+        ids = self.engine.validate_tokens(tokens or [])
+        ttl = self._check_ttl(ttl_s)
+        self._check_length(len(ids))
+        with self.lock:
+            self.expire()
+            while len(self._sessions) >= self.max_sessions:
+                if not self._evict_lru("lru"):
+                    raise ResourceExhaustedError(f"{self.max_sessions} sessions are live and none is idle")
+            session = self._add(Sequence(ids, PageTable.empty(self.engine.cache.layout.num_groups)), ttl, owner)
+            return session.session_id
+
+    def fork(self, session_id: str, at: int | None = None, owner: str | None = None) -> str:
+        """A new session whose history is the first `at` tokens (default: all) of this one; it shares
+        the pages of those tokens (copy-on-write: shared pages are full and never written)."""
+        with self.lock:
+            parent = self._get(session_id, owner, idle=True)
+            length = len(parent.seq.tokens)
+            at = length if at is None else at
+            if not isinstance(at, int) or not 0 <= at <= length:
+                raise InvalidArgumentError(f"fork position must be in [0, {length}], got {at!r}")
+            while len(self._sessions) >= self.max_sessions:
+                if not self._evict_lru("lru", keep=parent):
+                    raise ResourceExhaustedError(f"{self.max_sessions} sessions are live and none is idle")
+            seq = Sequence(parent.seq.tokens[:at], PageTable.empty(self.engine.cache.layout.num_groups))
+            match = self.engine.cache.match(seq.tokens)
+            self.engine.cache.attach(seq.table, match)
+            seq.num_computed = match.num_tokens
+            self._touch(parent)
+            return self._add(seq, parent.ttl_s, owner).session_id
+
+    def close(self, session_id: str, owner: str | None = None) -> None:
+        with self.lock:
+            session = self._get(session_id, owner)
+            self._end(session, "closed")
+            self.outcomes["closed"] += 1
+
+    # ---- history and generation -------------------------------------------------------------------
+
+    def append(self, session_id: str, token_ids: list[int], owner: str | None = None) -> int:
+        """Add tokens to the history (no compute yet: the next generate prefills them). Returns the new
+        history length."""
+        ids = self.engine.validate_tokens(token_ids)
+        if not ids:
+            raise InvalidArgumentError("append needs at least one token id")
+        with self.lock:
+            session = self._get(session_id, owner, idle=True)
+            self._check_length(len(session.seq.tokens) + len(ids))
+            session.seq.tokens.extend(ids)
+            self._touch(session)
+            self._check(session)
+            return len(session.seq.tokens)
+
+    def generate(self, session_id: str, params: SamplingParams, owner: str | None = None) -> GenerationStream:
+        """Start a generation that continues the history; its tokens join the history as they commit."""
+        with self.lock:
+            session = self._get(session_id, owner, idle=True)
+            stream = GenerationStream(self.engine.cancel)
+            stream.request = self.engine.submit(session.seq, params, self._on_event(session, stream.emit), keep_pages=True)
+            session.active = stream.request
+            self._touch(session)
+            return stream
+
+    def _on_event(self, session: _Session, emit: Callable[[Event], None]) -> Callable[[Event], None]:
+        def on_event(event: Event) -> None:  # engine thread, engine lock held
+            if isinstance(event, FinishEvent):
+                session.active = None
+                session.last_usage = event.usage
+                self._touch(session)
+                if session.closed:
+                    self.engine.cache.release(session.seq.table)
+                else:
+                    try:
+                        self._check(session)
+                    except InvariantViolation as violation:
+                        event = FinishEvent("error", event.usage, error=violation)
+            emit(event)
+
+        return on_event
+
+    def tokens(self, session_id: str, owner: str | None = None) -> list[int]:
+        with self.lock:
+            return list(self._get(session_id, owner).seq.tokens)
+
+    def info(self, session_id: str, owner: str | None = None) -> SessionInfo:
+        with self.lock:
+            return self._info(self._get(session_id, owner))
+
+    def list(self, owner: str | None = None) -> list[SessionInfo]:
+        with self.lock:
+            self.expire()
+            return [self._info(s) for s in self._sessions.values() if s.owner == owner]
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    # ---- eviction ---------------------------------------------------------------------------------
+
+    def expire(self) -> int:
+        """Evict idle sessions past their TTL; returns how many."""
+        now = self._clock()
+        expired = [s for s in self._sessions.values() if s.active is None and now - s.last_used > s.ttl_s]
+        for session in expired:
+            self._end(session, "evicted (idle ttl)")
+            self.evictions["ttl"] += 1
+            self.outcomes["evicted"] += 1
+        return len(expired)
+
+    def _evict_for_pages(self) -> bool:
+        return self._evict_lru("lru", needs_pages=True)
+
+    def _evict_lru(self, reason: str, needs_pages: bool = False, keep: _Session | None = None) -> bool:
+        for session in self._sessions.values():
+            if session.active is None and session is not keep and (session.seq.table.resident() or not needs_pages):
+                self._end(session, f"evicted ({reason})")
+                self.evictions[reason] += 1
+                self.outcomes["evicted"] += 1
+                return True
+        return False
+
+    # ---- internals --------------------------------------------------------------------------------
+
+    def _add(self, seq: Sequence, ttl_s: float, owner: str | None) -> _Session:
+        session = _Session(secrets.token_urlsafe(16), owner, seq, ttl_s, last_used=self._clock())
+        session.history_mark = len(seq.tokens)
+        self._sessions[session.session_id] = session
+        self.outcomes["created"] += 1
+        self._check(session)
+        return session
+
+    def _get(self, session_id: str, owner: str | None, idle: bool = False) -> _Session:
+        self.expire()
+        session = self._sessions.get(session_id) if isinstance(session_id, str) else None
+        if session is None or session.owner != owner:
+            ended = self._ended.get(session_id) if session is None and isinstance(session_id, str) else None
+            raise NotFoundError(f"session {session_id!r} {ended or 'does not exist'}")
+        if session.failure is not None:
+            raise FailedPreconditionError(f"session {session_id} failed: {session.failure}")
+        if idle and session.active is not None:
+            raise FailedPreconditionError(f"session {session_id} already has a generate in flight")
+        return session
+
+    def _end(self, session: _Session, why: str) -> None:
+        session.closed = True
+        del self._sessions[session.session_id]
+        self._ended[session.session_id] = why
+        while len(self._ended) > TOMBSTONES:
+            self._ended.popitem(last=False)
+        if session.active is None:
+            self.engine.cache.release(session.seq.table)
+        else:
+            self.engine.cancel(session.active)  # pages are released when the engine finishes it
+
+    def _touch(self, session: _Session) -> None:
+        session.last_used = self._clock()
+        if session.session_id in self._sessions:
+            self._sessions.move_to_end(session.session_id)
+
+    def _check(self, session: _Session) -> None:
+        """INV-1 (tokens and K/V agree) and INV-2 (the history only grows); a violation fails the
+        session, is counted by kind and propagates as a typed error."""
+        try:
+            if len(session.seq.tokens) < session.history_mark:
+                raise InvariantViolation("inv2", f"history shrank from {session.history_mark} to {len(session.seq.tokens)}")
+            session.seq.check(self.engine.cache)
+        except InvariantViolation as violation:
+            self.invariant_violations[violation.kind] += 1
+            self.outcomes["failed"] += 1
+            session.failure = violation
+            raise
+        session.history_mark = len(session.seq.tokens)
+
+    def _check_length(self, length: int) -> None:
+        if length >= self.engine.max_model_len:
+            raise InvalidArgumentError(
+                f"a history of {length} tokens leaves no room in the model's context of {self.engine.max_model_len}"
+            )
+
+    def _check_ttl(self, ttl_s: float | None) -> float:
+        if ttl_s is None:
+            return self.ttl_s
+        if not isinstance(ttl_s, int | float) or not 0 < ttl_s <= 30 * 86400:
+            raise InvalidArgumentError(f"ttl_s must be in (0, 30 days], got {ttl_s!r}")
+        return float(ttl_s)
+
+    def _info(self, session: _Session) -> SessionInfo:
+        usage = session.last_usage
+        pages = len(session.seq.table.resident())
+        return SessionInfo(
+            session_id=session.session_id,
+            history_tokens=len(session.seq.tokens),
+            computed_tokens=session.seq.num_computed,
+            resident_pages=pages,
+            resident_kv_bytes=pages * self.engine.cache.pool.page_bytes,
+            reused_tokens=usage.reused_tokens if usage else 0,
+            last_prefill_tokens=usage.prefilled_tokens if usage else 0,
+            generating=session.active is not None,
+            created_at=session.created_at,
+            idle_s=self._clock() - session.last_used,
+            ttl_s=session.ttl_s,
+        )

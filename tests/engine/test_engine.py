@@ -1,0 +1,108 @@
+"""Engine behaviour on tiny random models: batching, chunking, prefix reuse, capacity, cancellation."""
+
+import pytest
+import torch
+
+from kiln import SamplingParams
+from kiln.errors import InvalidArgumentError, ResourceExhaustedError
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 200, (length + 5 * i,), generator=g).tolist() for i in range(n)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_batched_equals_alone(tiny_llm, arch):
+    llm = tiny_llm(arch)
+    batch = prompts(4, 9)
+    together = [o.token_ids for o in llm.generate(batch, GREEDY)]
+    alone = [llm.generate(p, GREEDY)[0].token_ids for p in batch]
+    assert together == alone
+    assert all(len(t) == 12 for t in together)
+
+
+def test_chunked_prefill_gives_same_tokens(tiny_llm):
+    prompt = prompts(1, 45)[0]
+    whole = tiny_llm("gemma3").generate(prompt, GREEDY)[0].token_ids
+    chunked = tiny_llm("gemma3", max_batched_tokens=7).generate(prompt, GREEDY)[0].token_ids
+    assert whole == chunked
+
+
+def test_prefix_shared_with_finished_request_recomputes_from_first_different_page(tiny_llm):
+    llm = tiny_llm("llama", page_size=4)
+    first = prompts(1, 22)[0]
+    out = llm.generate(first, GREEDY)[0]
+    assert out.usage.reused_tokens == 0 and out.usage.prefilled_tokens == 22
+    second = first[:10] + [7, 7, 7, 7, 7, 7]  # differs inside page 2 (positions 8..11)
+    usage = llm.generate(second, GREEDY)[0].usage
+    assert usage.reused_tokens == 8 and usage.prefilled_tokens == 8
+    stats = llm.engine.stats
+    assert stats.prefill_tokens == 22 + 8
+
+
+def test_prompt_longer_than_context_and_bad_ids_are_refused(tiny_llm):
+    llm = tiny_llm("llama", max_model_len=32)
+    with pytest.raises(InvalidArgumentError, match="context"):
+        llm.generate(list(range(3, 40)), GREEDY)
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        llm.generate([5, 10_000], GREEDY)
+    with pytest.raises(InvalidArgumentError, match="max_tokens"):
+        llm.generate([5, 6], max_tokens=0)
+    assert llm.engine.cache.pool.usage().used == 0
+
+
+def test_request_larger_than_pool_is_a_capacity_error(tiny_llm):
+    llm = tiny_llm("llama", page_size=4, kv_pages=6)
+    with pytest.raises(ResourceExhaustedError, match="KV pages"):
+        llm.generate(prompts(1, 30)[0], GREEDY)
+    assert len(llm.generate(prompts(1, 5)[0], SamplingParams(max_tokens=4))[0].token_ids) == 4
+
+
+def test_cancel_frees_the_sequence(tiny_llm):
+    llm = tiny_llm("llama", page_size=4)
+    session = llm.create_session(prompts(1, 10)[0])
+    stream = session.generate(max_tokens=10_000, ignore_eos=True)
+    next(stream)
+    stream.cancel()
+    result = stream.result()
+    assert result.finish_reason == "cancelled"
+    assert not session.info().generating
+    llm.generate([1, 2, 3], max_tokens=1)  # the loop keeps serving
+    stateless = llm.engine
+    with stateless.lock:
+        stateless._release_finished()
+    session.close()
+    assert llm.engine.cache.pool.usage().used == 0
+
+
+def test_stop_strings_stop_tokens_and_logprobs(tiny_llm):
+    llm = tiny_llm("llama")
+    prompt = prompts(1, 8)[0]
+    free = llm.generate(prompt, GREEDY)[0]
+    stop_token = free.token_ids[3]
+    stopped = llm.generate(prompt, GREEDY, stop_token_ids=(stop_token,))[0]
+    assert stopped.token_ids == free.token_ids[: free.token_ids.index(stop_token) + 1]
+    assert stopped.finish_reason == "stop"
+    text = llm.tokenizer.decode(free.token_ids)
+    needle = text[len(text) // 2 : len(text) // 2 + 2]
+    by_string = llm.generate(prompt, GREEDY, stop=(needle,))[0]
+    assert by_string.finish_reason == "stop" and needle not in by_string.text
+    with_logprobs = llm.generate(prompt, GREEDY, logprobs=True)[0]
+    assert with_logprobs.logprobs is not None and len(with_logprobs.logprobs) == 12
+    assert all(lp <= 0 for lp in with_logprobs.logprobs)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llm):
+    llm = tiny_llm("llama")
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    prompt = prompts(1, 6)[0]
+    alone = llm.generate(prompt, params)[0].token_ids
+    together = llm.generate([prompt] + prompts(3, 7, seed=9), params)[0].token_ids
+    assert alone == together
+    other_seed = llm.generate(prompt, params, seed=99)[0].token_ids
+    assert other_seed != alone
+    greedy_by_top_k = llm.generate(prompt, params, top_k=1)[0].token_ids
+    assert greedy_by_top_k == llm.generate(prompt, max_tokens=10, ignore_eos=True)[0].token_ids

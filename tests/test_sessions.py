@@ -1,0 +1,192 @@
+"""Sessions: append-only histories, reuse of their K/V, forks, eviction, invariants, bad input."""
+
+import pytest
+import torch
+
+from kiln import SamplingParams
+from kiln.errors import FailedPreconditionError, InvalidArgumentError, InvariantViolation, NotFoundError
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def history(length: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 200, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_history_in_one_piece_or_many_gives_same_tokens(tiny_llm, arch):
+    llm = tiny_llm(arch, page_size=4)
+    tokens = history(41)
+    whole = llm.create_session(tokens).generate(GREEDY).result().token_ids
+    pieces = llm.create_session()
+    for start in range(0, len(tokens), 5):
+        pieces.append(tokens[start : start + 5])
+    assert pieces.generate(GREEDY).result().token_ids == whole
+    one_by_one = llm.create_session(tokens[:1])
+    for token in tokens[1:]:
+        one_by_one.append([token])
+    assert one_by_one.generate(GREEDY).result().token_ids == whole
+
+
+def test_turns_prefill_only_new_tokens_and_generated_tokens_join_history(tiny_llm):
+    llm = tiny_llm("gemma3", page_size=4)
+    session = llm.create_session(history(20))
+    first = session.generate(GREEDY).result()
+    assert first.usage.prefilled_tokens == 20 and first.usage.reused_tokens == 0
+    assert session.tokens[20:] == first.token_ids
+    session.append(history(6, seed=1))
+    second = session.generate(GREEDY).result()
+    # only the 6 new tokens and the last generated token (whose K/V was not yet computed) are prefilled
+    assert second.usage.prefilled_tokens == 7 and second.usage.reused_tokens == 20 + 8 - 1
+    info = session.info()
+    assert info.history_tokens == 20 + 8 + 6 + 8 and info.last_prefill_tokens == 7
+    # the same full history in a fresh session gives the same continuation
+    fresh = llm.create_session(session.tokens[: 20 + 8 + 6])
+    assert fresh.generate(GREEDY).result().token_ids == second.token_ids
+
+
+def test_fork_shares_pages_and_branches_diverge_safely(tiny_llm):
+    llm = tiny_llm("llama", page_size=4)
+    parent = llm.create_session(history(30))
+    parent.generate(GREEDY).result()
+    child = parent.fork()
+    pool = llm.engine.cache.pool
+    parent_pages = set(llm.sessions._sessions[parent.id].seq.table.resident())
+    child_pages = set(llm.sessions._sessions[child.id].seq.table.resident())
+    shared = parent_pages & child_pages
+    assert len(shared) >= 8 and all(pool.refcount[p] == 2 for p in shared)
+    assert child.tokens == parent.tokens
+
+    parent.append([11, 12, 13])
+    child.append([21, 22])
+    parent_out = parent.generate(GREEDY).result().token_ids
+    child_out = child.generate(GREEDY).result().token_ids
+    assert parent_out == llm.create_session(parent.tokens[: -len(parent_out)]).generate(GREEDY).result().token_ids
+    assert child_out == llm.create_session(child.tokens[: -len(child_out)]).generate(GREEDY).result().token_ids
+
+    early = parent.fork(at=10)
+    assert early.tokens == parent.tokens[:10]
+    with pytest.raises(InvalidArgumentError, match="fork position"):
+        parent.fork(at=10_000)
+
+
+def test_append_validation_changes_nothing(tiny_llm):
+    llm = tiny_llm("llama")
+    session = llm.create_session([5, 6, 7])
+    for bad in ([], [5, 100_000], [-1], [1.5], ["a"], [True]):
+        with pytest.raises(InvalidArgumentError):
+            session.append(bad)
+    assert session.tokens == [5, 6, 7]
+    with pytest.raises(InvalidArgumentError, match="context"):
+        session.append([5] * llm.engine.max_model_len)
+    assert session.tokens == [5, 6, 7]
+    with pytest.raises(InvalidArgumentError, match="max_tokens"):
+        session.generate(max_tokens=0)
+    assert not session.info().generating
+
+
+def test_unknown_and_closed_sessions_are_not_found(tiny_llm):
+    llm = tiny_llm("llama")
+    with pytest.raises(NotFoundError, match="does not exist"):
+        llm.sessions.info("nope")
+    session = llm.create_session([1, 2, 3])
+    session.close()
+    with pytest.raises(NotFoundError, match="closed"):
+        session.append([4])
+    with pytest.raises(NotFoundError):
+        session.close()
+
+
+def test_sessions_are_invisible_to_other_owners(tiny_llm):
+    store = tiny_llm("llama").sessions
+    sid = store.create([1, 2], owner="key-a")
+    with pytest.raises(NotFoundError, match="does not exist"):
+        store.info(sid, owner="key-b")
+    assert [s.session_id for s in store.list(owner="key-a")] == [sid]
+    assert store.list(owner="key-b") == []
+
+
+def test_second_concurrent_generate_is_refused(tiny_llm):
+    llm = tiny_llm("llama")
+    session = llm.create_session(history(5))
+    stream = session.generate(max_tokens=5_000, ignore_eos=True)
+    with pytest.raises(FailedPreconditionError, match="in flight"):
+        session.generate(GREEDY)
+    with pytest.raises(FailedPreconditionError, match="in flight"):
+        session.append([3])
+    stream.cancel()
+    stream.result()
+    assert session.generate(GREEDY).result().finish_reason == "length"
+
+
+def test_idle_ttl_eviction_is_counted(tiny_llm):
+    llm = tiny_llm("llama")
+    now = [0.0]
+    llm.sessions._clock = lambda: now[0]
+    kept = llm.create_session([1, 2, 3], ttl_s=100)
+    short = llm.create_session([1, 2, 3], ttl_s=10)
+    now[0] = 50
+    with pytest.raises(NotFoundError, match="idle ttl"):
+        short.info()
+    assert kept.info().history_tokens == 3
+    assert llm.sessions.evictions["ttl"] == 1
+
+
+def test_lru_eviction_by_session_count(tiny_llm):
+    llm = tiny_llm("llama", max_sessions=2)
+    a = llm.create_session([1])
+    b = llm.create_session([2])
+    a.append([3])  # a is now more recently used than b
+    llm.create_session([4])
+    with pytest.raises(NotFoundError, match="lru"):
+        b.info()
+    assert a.info().history_tokens == 2
+    assert llm.sessions.evictions["lru"] == 1
+
+
+def test_page_pressure_evicts_idle_session_lru(tiny_llm):
+    llm = tiny_llm("llama", page_size=4, kv_pages=24)  # llama tiny: 1 group, 24 pages = 96 tokens
+    idle = llm.create_session(history(60))
+    idle.generate(GREEDY).result()
+    assert idle.info().resident_pages >= 16
+    busy = llm.create_session(history(60, seed=2))
+    busy.generate(GREEDY).result()
+    with pytest.raises(NotFoundError, match="lru"):
+        idle.info()
+    assert llm.sessions.evictions["lru"] == 1
+
+
+def test_invariant_violation_fails_only_that_session_and_is_counted(tiny_llm):
+    llm = tiny_llm("llama", page_size=4)
+    broken = llm.create_session(history(20))
+    broken.generate(GREEDY).result()
+    healthy = llm.create_session(history(20, seed=3))
+    llm.sessions._sessions[broken.id].seq.table.hashes[1] = b"corrupted-hash!!"
+    with pytest.raises(InvariantViolation) as raised:
+        broken.append([5])
+    assert raised.value.kind == "inv1" and raised.value.bug_id.startswith("KILN-INV1-")
+    with pytest.raises(FailedPreconditionError, match="failed"):
+        broken.generate(GREEDY)
+    assert llm.sessions.invariant_violations["inv1"] == 1
+    assert healthy.generate(GREEDY).result().finish_reason == "length"
+
+    shrunk = llm.create_session(history(10))
+    llm.sessions._sessions[shrunk.id].seq.tokens.pop()
+    with pytest.raises(InvariantViolation) as raised:
+        shrunk.append([5])
+    assert raised.value.kind == "inv2"
+    assert llm.sessions.invariant_violations["inv2"] == 1
+
+
+def test_sliding_window_pages_are_released_during_a_long_session(tiny_llm):
+    llm = tiny_llm("gemma3", page_size=4)  # tiny gemma: window 8
+    session = llm.create_session(history(60))
+    session.generate(GREEDY).result()
+    seq = llm.sessions._sessions[session.id].seq
+    cache = llm.engine.cache
+    for group, pages in enumerate(seq.table.pages):
+        resident = sum(p is not None for p in pages)
+        if cache.layout.groups[group].window is None:
+            assert resident == len(pages) == -(-seq.num_computed // 4)
+        else:
+            assert resident <= 8 // 4 + 2
