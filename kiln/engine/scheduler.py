@@ -81,6 +81,8 @@ class Scheduler:
             match = self.cache.match(seq.tokens)
             self.cache.attach(seq.table, match)
             seq.num_computed = match.num_tokens
+        elif seq.uncomputed == 0:
+            seq.num_computed = self.cache.rewind(seq.table, seq.num_computed)
         request.attached = True
         if not request.prompt_tokens:
             request.prompt_tokens = len(seq.tokens)

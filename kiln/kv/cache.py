@@ -118,10 +118,25 @@ class KVCache:
                     if page is not None:
                         self.pool.prefix.register(group, page_hash, page)
             table.hashes.extend(new)
+        # One page of slack: `rewind` may step back up to a page, and its queries must still find keys.
+        horizon = max(0, num_computed - self.page_size)
         for group, pages in enumerate(table.pages):
-            for i in range(table.first_resident(group), min(self.first_needed_page(group, num_computed), done)):
+            for i in range(table.first_resident(group), min(self.first_needed_page(group, horizon), done)):
                 self.pool.release(pages[i])
                 pages[i] = None
+
+    def rewind(self, table: PageTable, num_computed: int) -> int:
+        """Make at least one token uncomputed again (a request needs a last token to take logits from,
+        e.g. after a generation was cancelled right after its final forward). Returns the new computed
+        count. A full last page may be shared, so it is released and recomputed into a private page
+        rather than rewritten."""
+        keep = num_computed - 1
+        full = keep // self.page_size
+        if len(table.hashes) > full:
+            del table.hashes[full:]
+            self.truncate(table, full * self.page_size)
+            return full * self.page_size
+        return keep
 
     def truncate(self, table: PageTable, num_tokens: int) -> None:
         """Drop pages past position num_tokens - 1 (pages allocated for a step that did not run)."""

@@ -67,7 +67,7 @@ def test_prefix_hit_reuses_only_pages_before_first_difference():
     first = list(range(1, 14))  # 3 full pages + 1 token
     table = run_sequence(cache, first)
     cache.release(table)  # finished: named pages stay cached
-    assert cache.pool.usage().cached == 2 * 3
+    assert cache.pool.usage().cached == 3  # one group: both layers share pages
 
     same_two_pages = first[:8] + [50, 51, 52, 53, 54]
     match = cache.match(same_two_pages)
@@ -94,35 +94,52 @@ def test_lru_evicts_least_recently_released_first():
     cache = make_cache(6, layers=1)
     old = run_sequence(cache, [1, 2, 3, 4, 5])  # 2 pages: 1 named, 1 partial
     new = run_sequence(cache, [9, 8, 7, 6, 5])
+    old_page, new_page = old.pages[0][0], new.pages[0][0]
     cache.release(old)
     cache.release(new)
-    assert cache.pool.prefix.lru_order() == [old.pages[0][0], new.pages[0][0]]
+    assert cache.pool.prefix.lru_order() == [old_page, new_page]
     taken = [cache.pool.allocate() for _ in range(5)]  # 4 free, then the oldest cached page
-    assert taken[-1] == old.pages[0][0]
+    assert taken[-1] == old_page
     assert cache.match([1, 2, 3, 4, 5]).num_tokens == 0
     assert cache.match([9, 8, 7, 6, 5]).num_tokens == 4
 
 
 def test_ensure_is_all_or_nothing():
-    cache = make_cache(3)  # 2 groups: a 6-token sequence needs 2 pages per group
+    cache = make_cache(3, window=4)  # 2 groups: a 6-token sequence needs 2 pages per group
     table = PageTable.empty(cache.layout.num_groups)
     assert not cache.ensure(table, 6)
     assert table.pages == [[], []] and cache.pool.usage().free == 3
 
 
 def test_sliding_group_releases_pages_outside_window_and_match_needs_window():
-    cache = make_cache(64, window=6, layers=2)  # group 0 full, group 1 sliding window 6
+    cache = make_cache(64, window=6, layers=2)  # one full group, one sliding group (window 6)
     full, sliding = (0, 1) if cache.layout.groups[0].window is None else (1, 0)
     tokens = list(range(1, 22))
     table = run_sequence(cache, tokens)
-    # next query at 21 reads keys 16..21: sliding pages 0-3 (positions 0..15) are released
-    assert table.pages[sliding][:4] == [None] * 4 and None not in table.pages[full]
-    assert cache.pool.usage().cached == 4
+    # A query at 21 reads keys 16..21; with one page of slack (for a rewind to 17) the sliding group
+    # keeps pages from 12 on and releases pages 0-2 (positions 0..11).
+    assert table.pages[sliding][:4] == [None, None, None, table.pages[sliding][3]]
+    assert None not in table.pages[full]
+    assert cache.pool.usage().cached == 3
+    hashes = list(table.hashes)
+    full_pages = list(table.pages[full])
     cache.release(table)
     assert cache.match(tokens + [5]).num_tokens == 20
-    # The released sliding pages are the oldest cached ones; evicting them up to positions 12..15
-    # (which a query at 20 still reads) leaves no prefix whose window is complete.
-    while cache.pool.prefix.lookup(sliding, table.hashes[3]) is not None:
+    # Keep the full group's pages referenced, evict cached sliding pages up to positions 12..15 (which a
+    # query at 20 still reads): no prefix has a complete window any more.
+    for page in full_pages:
+        cache.pool.acquire(page)
+    while cache.pool.prefix.lookup(sliding, hashes[3]) is not None:
         cache.pool.allocate()
-    assert cache.pool.prefix.lookup(full, table.hashes[4]) is not None
+    assert cache.pool.prefix.lookup(full, hashes[4]) is not None
     assert cache.match(tokens + [5]).num_tokens == 0
+
+
+def test_rewind_recomputes_a_full_last_page_privately():
+    cache = make_cache(16, layers=1)
+    tokens = list(range(1, 9))  # exactly two full pages
+    table = run_sequence(cache, tokens)
+    assert cache.rewind(table, 8) == 4  # the full (shareable) last page is released, not rewritten
+    assert len(table.hashes) == 1 and len(table.pages[0]) == 1
+    partial = run_sequence(cache, list(range(1, 7)))
+    assert cache.rewind(partial, 6) == 5  # a private partial page just steps back

@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny Kiln engines over randomly initialised models (see tests/tiny_models.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+from kiln.kv.layout import KVLayout
+from kiln.llm import LLM
+from kiln.models.loader import LoadedModel
+from kiln.tokenizer import Tokenizer
+from tests.tiny_models import TINY_CONFIGS, hf_state_dict, tiny_hf_model
+
+
+def byte_tokenizer() -> Tokenizer:
+    """One token per byte (256 ids, the tiny models' vocabulary): any text round-trips."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    backend = tokenizers.Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return Tokenizer(backend, bos_token_id=None, eos_token_ids=(2,))
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded():
+    """LoadedModel of each tiny architecture, built once per test session."""
+    built: dict[str, LoadedModel] = {}
+
+    def get(arch: str) -> LoadedModel:
+        if arch not in built:
+            config = TINY_CONFIGS[arch]
+            built[arch] = LoadedModel(
+                config=config,
+                tensors=hf_state_dict(tiny_hf_model(arch)),
+                tokenizer=byte_tokenizer(),
+                source=Path(f"tiny-{arch}"),
+                fingerprint=f"tiny-{arch}",
+            )
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture
+def tiny_llm(tiny_loaded):
+    """Factory: tiny_llm(arch, kv_pages=None, **engine_options) -> LLM; closed after the test.
+    `kv_pages` sizes the KV budget in pages instead of bytes."""
+    made: list[LLM] = []
+
+    def make(arch: str, kv_pages: int | None = None, **options: object) -> LLM:
+        loaded = tiny_loaded(arch)
+        options.setdefault("kv_budget_bytes", 16 * 1024**2)
+        if kv_pages is not None:
+            layout = KVLayout.for_model(loaded.config, int(options.get("page_size", 16)))
+            options["kv_budget_bytes"] = kv_pages * layout.page_bytes(4)
+        llm = LLM(loaded=loaded, **options)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        llm.close()
