@@ -1,0 +1,101 @@
+"""CausalLM: what the runner needs from every model, and loading weights by their Hugging Face names.
+
+Module names mirror transformers (`model.layers.3.mlp.down_proj.weight`) except where modules fuse HF
+tensors; those modules list their sources in `hf_sources()`, so one loader serves every architecture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.errors import InvalidArgumentError
+from kiln.models.config import ModelConfig
+from kiln.models.layers import HFSource, RMSNorm
+
+
+class Decoder(nn.Module):
+    """Holds the HF `model.` submodules: embed_tokens, layers, norm."""
+
+    def __init__(self, config: ModelConfig, layers: list[nn.Module], norm_offset: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm((config.hidden_size,), config.rms_norm_eps, norm_offset)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over the paged KV cache. Subclasses define
+
+    forward(input_ids [N] long, positions [N] long, batch: AttentionBatch) -> [N, hidden], the final-normed
+    hidden states of the step's new tokens (sequence after sequence), writing their K/V into the pages.
+    """
+
+    def __init__(self, config: ModelConfig, model: Decoder) -> None:
+        super().__init__()
+        self.config = config
+        self.model = model
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors (any dtype; cast to the model's) into the parameters. Raises
+        InvalidArgumentError, before changing anything, on missing or unexpected names or wrong shapes."""
+        plan = self._hf_plan()
+        expected = {source.name for sources in plan.values() for source in sources}
+        missing, unexpected = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
+        if missing or unexpected:
+            raise InvalidArgumentError(
+                f"{self.config.name or type(self).__name__} weights do not match the model: "
+                f"missing {_listing(missing)}; unexpected {_listing(unexpected)}"
+            )
+        params = dict(self.named_parameters())
+        for name, sources in plan.items():
+            _check_shapes(params[name], sources, tensors)
+        with torch.no_grad():
+            for name, sources in plan.items():
+                row = 0
+                for source in sources:
+                    params[name][row : row + source.rows].copy_(tensors[source.name])
+                    row += source.rows
+
+    def _hf_plan(self) -> dict[str, tuple[HFSource, ...]]:
+        """Each parameter's name -> the HF tensors filling it, row block by row block."""
+        fused: dict[str, tuple[HFSource, ...]] = {}
+        for prefix, module in self.named_modules():
+            hf_sources = getattr(module, "hf_sources", None)
+            for local, sources in hf_sources().items() if hf_sources else ():
+                fused[f"{prefix}.{local}"] = tuple(
+                    HFSource(f"{prefix}.{s.name}", s.rows, s.broadcast) for s in sources
+                )
+        return {
+            name: fused.get(name, (HFSource(name, param.shape[0]),))
+            for name, param in self.named_parameters()
+        }
+
+
+def _check_shapes(
+    param: torch.Tensor, sources: tuple[HFSource, ...], tensors: Mapping[str, torch.Tensor]
+) -> None:
+    for source in sources:
+        expected = param.shape[1:] if source.broadcast else (source.rows, *param.shape[1:])
+        actual = tensors[source.name].shape
+        if tuple(actual) != tuple(expected):
+            raise InvalidArgumentError(
+                f"weight {source.name} has shape {tuple(actual)}, expected {tuple(expected)}"
+            )
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit]) or "none"
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -1,0 +1,94 @@
+"""Tiny randomly initialised transformers models, one per architecture Kiln implements, for parity tests.
+
+Each comes from a ModelConfig via `hf_config_dict`, is built in fp32 with eager attention, and gets
+weights drawn so that every parameter matters (norm weights away from their identity init, biases
+nonzero, projections scaled to keep activations O(1)), so a wrong formula shows up in the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from kiln.models.config import ModelConfig, RopeScaling
+from kiln.models.hf_config import hf_config_dict
+
+_BASE = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "bos_token_id": 1,
+    "eos_token_ids": (2,),
+}
+_SLIDING, _FULL = "sliding_attention", "full_attention"
+
+TINY_CONFIGS: dict[str, ModelConfig] = {
+    "llama": ModelConfig("llama", num_layers=2, **_BASE),
+    "llama3_rope": ModelConfig(
+        "llama",
+        num_layers=2,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, original_max_position_embeddings=32),
+        **_BASE,
+    ),
+    "mistral": ModelConfig("llama", num_layers=2, sliding_window=7, **_BASE),
+    "qwen2": ModelConfig(
+        "llama",
+        num_layers=3,
+        attention_bias=True,
+        sliding_window=10,
+        layer_types=(_FULL, _SLIDING, _SLIDING),
+        **_BASE,
+    ),
+    "qwen3": ModelConfig(
+        "llama", num_layers=2, qk_norm=True, tie_word_embeddings=True, rope_theta=1e6, **_BASE
+    ),
+    "gemma3": ModelConfig(
+        "gemma3",
+        num_layers=6,
+        sliding_window=8,
+        layer_types=(_SLIDING, _SLIDING, _FULL) * 2,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        hidden_act="gelu_pytorch_tanh",
+        query_pre_attn_scalar=24.0,
+        rope_theta=1e6,
+        rope_scaling=RopeScaling("linear", 2.0),
+        rope_local_theta=10000.0,
+        **_BASE,
+    ),
+}
+
+
+def tiny_hf_model(name: str, seed: int = 0) -> PreTrainedModel:
+    """The transformers model for TINY_CONFIGS[name], fp32, eager attention, deterministic weights."""
+    hf_config = AutoConfig.for_model(**hf_config_dict(TINY_CONFIGS[name]))
+    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager", dtype=torch.float32)
+    _randomize(model, torch.Generator().manual_seed(seed))
+    return model.eval()
+
+
+def hf_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """Parameters by HF name as a checkpoint stores them: a tied lm_head is not saved."""
+    tensors = dict(model.state_dict())
+    if model.config.tie_word_embeddings:
+        del tensors["lm_head.weight"]
+    return tensors
+
+
+@torch.no_grad()
+def _randomize(model: PreTrainedModel, generator: torch.Generator) -> None:
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=generator)
+        if "norm" in name:
+            param.add_(0.3 * noise)  # around 1 for w * x norms, around 0 for Gemma's (1 + w) * x
+        elif name.endswith("bias"):
+            param.copy_(0.3 * noise)
+        elif "embed_tokens" in name:
+            param.copy_(noise)
+        else:
+            param.copy_(noise * param.shape[1] ** -0.5)
