@@ -1,0 +1,28 @@
+"""`kiln chat` over piped input on a tiny model directory: replies stream, and each turn reports what
+it prefilled and what it reused from the session's cache."""
+
+import os
+import re
+import subprocess
+import sys
+
+from tests.conftest import byte_tokenizer
+from tests.tiny_models import tiny_hf_model
+
+
+def test_chat_reports_prefill_and_reuse_per_turn(tmp_path):
+    model_dir = tmp_path / "tiny-llama"
+    tiny_hf_model("llama").save_pretrained(model_dir)
+    byte_tokenizer().backend.save(str(model_dir / "tokenizer.json"))
+    env = {**os.environ, "KILN_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run(
+        [sys.executable, "-m", "kiln.cli", "chat", "--model", str(model_dir), "--max-tokens", "5", "--kv-budget-mb", "8"],
+        input="hello there\nand again\n",
+        capture_output=True, text=True, timeout=300, check=True, env=env,
+    )
+    stats = re.findall(r"prefilled (\d+) · reused (\d+) from cache", run.stderr)
+    assert len(stats) == 2, run.stderr
+    (first_prefill, first_reused), (second_prefill, second_reused) = [tuple(map(int, s)) for s in stats]
+    assert first_reused == 0 and first_prefill > 0
+    assert second_reused == first_prefill + 5 - 1  # the whole first turn, but its last generated token
+    assert run.stdout.count("model> ") == 2
