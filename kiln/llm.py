@@ -6,17 +6,20 @@ from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 from kiln.config import EngineConfig
 from kiln.engine.engine import Engine
 from kiln.engine.sampler import SamplingParams
 from kiln.engine.sequence import Sequence, Usage
-from kiln.engine.stream import GenerationStream
+from kiln.engine.stream import BaseStream, GenerationStream
 from kiln.errors import InvalidArgumentError
 from kiln.kv.pages import PageTable
 from kiln.models.loader import LoadedModel, load_model
 from kiln.sessions import SessionInfo, SessionStore
 from kiln.tokenizer import Tokenizer
+
+S = TypeVar("S", bound=BaseStream)
 
 
 @dataclass(frozen=True)
@@ -57,13 +60,14 @@ class LLM:
         single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else self.engine.validate_tokens(p) for p in batch]
-        streams = []
-        for tokens in token_lists:
-            stream = GenerationStream(self.engine.cancel)
-            seq = Sequence(list(tokens), PageTable.empty(self.engine.cache.layout.num_groups))
-            stream.request = self.engine.submit(seq, params, stream.emit, keep_pages=False)
-            streams.append(stream)
+        streams = [self.start(tokens, params, GenerationStream(self.engine.cancel)) for tokens in token_lists]
         return [self._output(tokens, stream) for tokens, stream in zip(token_lists, streams, strict=True)]
+
+    def start(self, token_ids: Seq[int], params: SamplingParams, stream: S) -> S:
+        """Start one stateless generation (prefix-cached, released when done) streaming into `stream`."""
+        seq = Sequence(self.engine.validate_tokens(token_ids), PageTable.empty(self.engine.cache.layout.num_groups))
+        stream.request = self.engine.submit(seq, params, stream.emit, keep_pages=False)
+        return stream
 
     def _output(self, prompt: list[int], stream: GenerationStream) -> RequestOutput:
         result = stream.result()
@@ -105,7 +109,9 @@ class Session:
         return self.append(self.llm.tokenizer.encode(text, add_special_tokens=first))
 
     def generate(self, params: SamplingParams | None = None, **overrides: object) -> GenerationStream:
-        return self.llm.sessions.generate(self.id, _params(params, overrides))
+        stream = GenerationStream(self.llm.engine.cancel)
+        self.llm.sessions.generate(self.id, _params(params, overrides), stream=stream)
+        return stream
 
     def generate_text(self, params: SamplingParams | None = None, **overrides: object) -> Iterator[str]:
         """Stream text pieces: each yields the newly decodable text (multi-byte characters complete)."""

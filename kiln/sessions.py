@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kiln.engine.engine import Engine
 from kiln.engine.sampler import SamplingParams
 from kiln.engine.sequence import Event, FinishEvent, Request, Sequence, Usage
-from kiln.engine.stream import GenerationStream
+from kiln.engine.stream import BaseStream, GenerationStream
 from kiln.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -133,11 +133,15 @@ class SessionStore:
             self._check(session)
             return len(session.seq.tokens)
 
-    def generate(self, session_id: str, params: SamplingParams, owner: str | None = None) -> GenerationStream:
-        """Start a generation that continues the history; its tokens join the history as they commit."""
+    def generate(
+        self, session_id: str, params: SamplingParams, owner: str | None = None, stream: BaseStream | None = None
+    ) -> BaseStream:
+        """Start a generation that continues the history; its tokens join the history as they commit.
+        Events go to `stream` (an AsyncGenerationStream for asyncio callers), by default a new
+        GenerationStream."""
         with self.lock:
             session = self._get(session_id, owner, idle=True)
-            stream = GenerationStream(self.engine.cancel)
+            stream = stream or GenerationStream(self.engine.cancel)
             stream.request = self.engine.submit(session.seq, params, self._on_event(session, stream.emit), keep_pages=True)
             session.active = stream.request
             self._touch(session)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ class EngineStats:
 
     prefill_tokens: int = 0  # prompt tokens computed
     reused_tokens: int = 0  # prompt tokens whose K/V was already in pages when a request started
+    prefix_hit_tokens: int = 0  # of those, tokens found through the prefix cache (not a session's own)
     generated_tokens: int = 0
     steps: int = 0
     requests_by_outcome: dict[str, int] = field(default_factory=dict)
@@ -62,6 +64,7 @@ class Engine:
         self.lock = threading.RLock()
         self._wake = threading.Condition(self.lock)
         self._reclaimers: list[Callable[[], bool]] = []
+        self._finish_observers: list[Callable[[Request, str], None]] = []
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_batched_tokens, self._reclaim)
         self._finished: list[Request] = []
         self._thread: threading.Thread | None = None
@@ -114,6 +117,10 @@ class Engine:
         """Register a way to free pages under pressure (e.g. evict the LRU idle session); it returns
         True when it freed something. Called with the engine lock held."""
         self._reclaimers.append(reclaim)
+
+    def add_finish_observer(self, observe: Callable[[Request, str], None]) -> None:
+        """Called on the engine thread with each request and its finish reason (metrics use it)."""
+        self._finish_observers.append(observe)
 
     def _reclaim(self) -> bool:
         return any(reclaim() for reclaim in self._reclaimers)
@@ -207,6 +214,8 @@ class Engine:
     def _accept(self, request: Request, token: int, logprob: float | None) -> None:
         request.seq.tokens.append(token)
         request.generated.append(token)
+        if request.first_token_at is None:
+            request.first_token_at = time.perf_counter()
         self.stats.generated_tokens += 1
         request.emit(TokenEvent(token, logprob))
         reason, stop_string = self._stop_reason(request, token)
@@ -232,6 +241,9 @@ class Engine:
             request.prompt_tokens = len(request.seq.tokens) - len(request.generated)
             request.reused_tokens = request.seq.num_computed
         self.stats.reused_tokens += request.reused_tokens
+        self.stats.prefix_hit_tokens += request.prefix_hit_tokens
+        for observe in self._finish_observers:
+            observe(request, reason)
         self.stats.requests_by_outcome[reason] = self.stats.requests_by_outcome.get(reason, 0) + 1
         self.sampler.forget(request.request_id)
         request.phase = Phase.IDLE if request.keep_pages else Phase.FINISHED

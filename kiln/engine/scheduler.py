@@ -9,6 +9,7 @@ then fail the request with a capacity error. A running sequence is never partly 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.phase = Phase.RUNNING
+            request.admitted_at = request.admitted_at or time.perf_counter()
             self.running.append(request)
             chunks.append(ScheduledChunk(request, size))
             budget -= size
@@ -81,6 +83,8 @@ class Scheduler:
             match = self.cache.match(seq.tokens)
             self.cache.attach(seq.table, match)
             seq.num_computed = match.num_tokens
+            if not request.prompt_tokens:
+                request.prefix_hit_tokens = match.num_tokens
         elif seq.uncomputed == 0:
             seq.num_computed = self.cache.rewind(seq.table, seq.num_computed)
         request.attached = True

@@ -92,8 +92,10 @@ class Request:
     attached: bool = False
     prompt_tokens: int = 0
     reused_tokens: int = 0
+    prefix_hit_tokens: int = 0  # of reused_tokens, those found in the prefix cache at admission
     generated: list[int] = field(default_factory=list)
     submitted_at: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None
     first_token_at: float | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 

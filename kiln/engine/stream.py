@@ -1,10 +1,12 @@
-"""GenerationStream: the caller's side of one generation, as an iterator of token ids."""
+"""The caller's side of one generation: token ids as the engine commits them, for threads
+(GenerationStream) and for asyncio (AsyncGenerationStream)."""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from kiln.engine.sequence import Event, FinishEvent, Request, TokenEvent, Usage
@@ -21,14 +23,12 @@ class GenerationResult:
     total_s: float
 
 
-class GenerationStream:
-    """Iterates generated token ids as the engine commits them. Leaving the loop early (or `cancel()`)
-    stops the generation and frees its sequence; errors arrive as the typed exception the engine gave.
-    After the loop, `result()` has the finish reason and usage."""
+class BaseStream:
+    """What both stream kinds remember of the events they hand out. `emit` runs on the engine thread
+    and never blocks; `cancel` stops the generation and frees its sequence."""
 
     def __init__(self, cancel: Callable[[Request], None]) -> None:
         self.request: Request | None = None  # set once the engine has accepted the request
-        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._cancel = cancel
         self._started = time.perf_counter()
         self._first_token_at: float | None = None
@@ -37,17 +37,16 @@ class GenerationStream:
         self._finish: FinishEvent | None = None
         self._finished_at = 0.0
 
-    def emit(self, event: Event) -> None:
-        """Engine-thread side: never blocks."""
-        self._events.put(event)
+    @property
+    def finished(self) -> bool:
+        return self._finish is not None
 
-    def __iter__(self) -> Iterator[int]:
-        return self
+    def cancel(self) -> None:
+        if self._finish is None and self.request is not None:
+            self._cancel(self.request)
 
-    def __next__(self) -> int:
-        if self._finish is not None:
-            raise StopIteration
-        event = self._events.get()
+    def _record(self, event: Event) -> int:
+        """Token id of a token event; for the finish event raise its error or StopIteration-like None."""
         if isinstance(event, TokenEvent):
             if self._first_token_at is None:
                 self._first_token_at = time.perf_counter()
@@ -59,16 +58,9 @@ class GenerationStream:
         self._finished_at = time.perf_counter()
         if event.error is not None:
             raise event.error
-        raise StopIteration
+        return -1
 
-    def cancel(self) -> None:
-        if self._finish is None and self.request is not None:
-            self._cancel(self.request)
-
-    def result(self) -> GenerationResult:
-        """Wait for the end (consuming remaining tokens) and summarise the generation."""
-        for _ in self:
-            pass
+    def _result(self) -> GenerationResult:
         assert self._finish is not None
         return GenerationResult(
             token_ids=list(self._token_ids),
@@ -80,11 +72,71 @@ class GenerationStream:
             total_s=self._finished_at - self._started,
         )
 
+    def __del__(self) -> None:
+        self.cancel()
+
+
+class GenerationStream(BaseStream):
+    """Iterates generated token ids. Leaving the loop early (or `cancel()`) stops the generation and
+    frees its sequence; errors arrive as the typed exception the engine gave. After the loop,
+    `result()` has the finish reason and usage."""
+
+    def __init__(self, cancel: Callable[[Request], None]) -> None:
+        super().__init__(cancel)
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+
+    def emit(self, event: Event) -> None:
+        self._events.put(event)
+
+    def __iter__(self) -> Iterator[int]:
+        return self
+
+    def __next__(self) -> int:
+        if self._finish is not None:
+            raise StopIteration
+        token = self._record(self._events.get())
+        if token < 0:
+            raise StopIteration
+        return token
+
+    def result(self) -> GenerationResult:
+        """Wait for the end (consuming remaining tokens) and summarise the generation."""
+        for _ in self:
+            pass
+        return self._result()
+
     def __enter__(self) -> GenerationStream:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.cancel()
 
-    def __del__(self) -> None:
-        self.cancel()
+
+class AsyncGenerationStream(BaseStream):
+    """The asyncio twin of GenerationStream: `async for token in stream`. Create it on the event loop
+    that will consume it; the engine thread hands events over with call_soon_threadsafe."""
+
+    def __init__(self, cancel: Callable[[Request], None]) -> None:
+        super().__init__(cancel)
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+
+    def emit(self, event: Event) -> None:
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    def __aiter__(self) -> AsyncIterator[int]:
+        return self
+
+    async def __anext__(self) -> int:
+        if self._finish is not None:
+            raise StopAsyncIteration
+        token = self._record(await self._events.get())
+        if token < 0:
+            raise StopAsyncIteration
+        return token
+
+    async def result(self) -> GenerationResult:
+        async for _ in self:
+            pass
+        return self._result()
