@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: run test bench lint setup model clean
+.PHONY: run test bench lint setup model proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -27,6 +27,9 @@ bench: setup
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,bench]'
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/long_session.py
+
+proto: setup  ## regenerate the checked-in gRPC stubs from proto/kiln/v1/runtime.proto
+	$(BIN)/python proto/generate.py
 
 lint: setup
 	$(BIN)/ruff check kiln tests bench

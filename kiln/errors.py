@@ -38,6 +38,16 @@ class CancelledError(KilnError):
     code = "CANCELLED"
 
 
+class UnauthenticatedError(KilnError):
+    """No API key, or one the server does not know."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(KilnError):
+    code = "PERMISSION_DENIED"
+
+
 class InvariantViolation(FailedPreconditionError):
     """A cache invariant broke: a bug in Kiln. Carries a bug id to quote in a report; only the affected
     session fails, and the violation is counted by kind."""

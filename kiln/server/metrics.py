@@ -1,0 +1,89 @@
+"""Prometheus metrics. Live state (sessions, pages, engine counters) is read at scrape time from the
+engine and session store, so there is one source of truth; per-request distributions are observed as
+requests finish. Each server has its own registry, so several servers can share a process (tests)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kiln.engine.sequence import Request
+from kiln.llm import LLM
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _EngineState(Collector):
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
+        engine, store = self.llm.engine, self.llm.sessions
+        with engine.lock:
+            usage = engine.cache.pool.usage()
+            page_bytes = engine.cache.pool.page_bytes
+            stats = engine.stats
+            yield GaugeMetricFamily("kiln_sessions_active", "Live sessions", value=len(store))
+            yield _labelled_counter("kiln_sessions", "Sessions by outcome", "outcome", store.outcomes,
+                                    ("created", "closed", "evicted", "failed"))
+            yield _labelled_counter("kiln_session_evictions", "Session evictions by reason", "reason",
+                                    store.evictions, ("ttl", "lru"))
+            pages = GaugeMetricFamily("kiln_kv_pages", "KV pages by state", labels=["state"])
+            for state in ("used", "cached", "free"):
+                pages.add_metric([state], getattr(usage, state))
+            yield pages
+            yield GaugeMetricFamily("kiln_kv_bytes", "Bytes of KV pages holding K/V (used + cached)",
+                                    value=(usage.used + usage.cached) * page_bytes)
+            yield GaugeMetricFamily("kiln_kv_capacity_bytes", "Bytes of the whole KV page pool",
+                                    value=engine.cache.pool.num_pages * page_bytes)
+            yield CounterMetricFamily("kiln_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                      value=stats.prefix_hit_tokens)
+            yield CounterMetricFamily("kiln_reused_tokens", "Prompt tokens whose K/V was resident (sessions and prefix cache)",
+                                      value=stats.reused_tokens)
+            yield CounterMetricFamily("kiln_prefill_tokens", "Prompt tokens computed", value=stats.prefill_tokens)
+            yield CounterMetricFamily("kiln_generated_tokens", "Tokens generated", value=stats.generated_tokens)
+            yield CounterMetricFamily("kiln_preemptions", "Requests preempted for KV pages",
+                                      value=engine.scheduler.preemptions)
+            yield _labelled_counter("kiln_cache_invariant_violations", "Cache invariant violations by kind", "kind",
+                                    store.invariant_violations, ("inv1", "inv2"))
+
+
+def _labelled_counter(name: str, doc: str, label: str, counts: dict[str, int], always: tuple[str, ...]):  # noqa: ANN202
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key in sorted(set(always) | set(counts)):
+        family.add_metric([key], counts.get(key, 0))
+    return family
+
+
+class Metrics:
+    def __init__(self, llm: LLM) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineState(llm))
+        self.requests = Counter("kiln_requests", "Requests by route and status", ["route", "status"], registry=self.registry)
+        self.request_seconds = Histogram("kiln_request_duration_seconds", "Request handling time by route", ["route"],
+                                         buckets=SECONDS_BUCKETS, registry=self.registry)
+        self.prefill_tokens = Histogram("kiln_generate_prefill_tokens", "Prompt tokens each generate computed",
+                                        buckets=TOKEN_BUCKETS, registry=self.registry)
+        self.prefill_seconds = Histogram("kiln_generate_prefill_seconds", "Admission to first token, per generate",
+                                         buckets=SECONDS_BUCKETS, registry=self.registry)
+        self.ttft = Histogram("kiln_time_to_first_token_seconds", "Submission to first token, per generate",
+                              buckets=SECONDS_BUCKETS, registry=self.registry)
+        llm.engine.add_finish_observer(self._observe_generate)
+
+    def _observe_generate(self, request: Request, reason: str) -> None:
+        self.prefill_tokens.observe(request.usage().prefilled_tokens)
+        if request.first_token_at is not None:
+            self.ttft.observe(request.first_token_at - request.submitted_at)
+            if request.admitted_at is not None:
+                self.prefill_seconds.observe(request.first_token_at - request.admitted_at)
+
+    def observe_request(self, route: str, status: str, seconds: float) -> None:
+        """One handled call: `status` is the gRPC code name (OK, NOT_FOUND, ...) for both transports."""
+        self.requests.labels(route, status).inc()
+        self.request_seconds.labels(route).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

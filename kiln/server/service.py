@@ -1,0 +1,139 @@
+"""RuntimeService: what every transport (gRPC, HTTP) calls. It validates wire-level input into engine
+types, scopes sessions to the caller's identity, and hands generations out as asyncio streams, so the
+transports only translate formats and errors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kiln.engine.sampler import SamplingParams
+from kiln.engine.stream import AsyncGenerationStream
+from kiln.errors import InvalidArgumentError, KilnError
+from kiln.llm import LLM
+from kiln.sessions import SessionInfo
+
+
+class ShuttingDownError(KilnError):
+    """The server stopped admitting work (graceful shutdown); transports answer UNAVAILABLE / 503."""
+
+    code = "UNAVAILABLE"
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """Wire-level sampling options, as every transport receives them (None = default)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+
+class RuntimeService:
+    DEFAULT_MAX_TOKENS = 256
+
+    def __init__(self, llm: LLM, model_name: str) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        self.accepting = True
+
+    @property
+    def sessions(self):  # noqa: ANN201 - the SessionStore
+        return self.llm.sessions
+
+    def _admit(self) -> None:
+        if not self.accepting:
+            raise ShuttingDownError("the server is shutting down and takes no new work")
+
+    def sampling_params(self, request: GenerateRequest) -> SamplingParams:
+        """Defaults filled in, limits checked against this model (max_tokens past the context window is
+        refused rather than silently cut)."""
+        max_tokens = self.DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens
+        if isinstance(max_tokens, int) and max_tokens > self.llm.engine.max_model_len:
+            raise InvalidArgumentError(
+                f"max_tokens {max_tokens} exceeds the model's context of {self.llm.engine.max_model_len}"
+            )
+        stop_ids = self.llm.engine.validate_tokens(list(request.stop_token_ids))
+        if len(request.stop) > 16 or any(len(s) > 256 for s in request.stop):
+            raise InvalidArgumentError("at most 16 stop strings of at most 256 characters")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
+            seed=request.seed,
+            stop=tuple(request.stop),
+            stop_token_ids=tuple(stop_ids),
+            ignore_eos=request.ignore_eos,
+            logprobs=request.logprobs,
+        )
+
+    # ---- sessions -----------------------------------------------------------------------------------
+
+    def create_session(self, owner: str | None, tokens: Sequence[int] = (), ttl_s: float | None = None) -> SessionInfo:
+        self._admit()
+        session_id = self.sessions.create(list(tokens), ttl_s, owner)
+        return self.sessions.info(session_id, owner)
+
+    def append(self, owner: str | None, session_id: str, tokens: Sequence[int]) -> SessionInfo:
+        self._admit()
+        self.sessions.append(session_id, list(tokens), owner)
+        return self.sessions.info(session_id, owner)
+
+    def generate(self, owner: str | None, session_id: str, request: GenerateRequest) -> AsyncGenerationStream:
+        """Must run on the event loop that consumes the stream."""
+        self._admit()
+        stream = AsyncGenerationStream(self.llm.engine.cancel)
+        self.sessions.generate(session_id, self.sampling_params(request), owner, stream=stream)
+        return stream
+
+    def fork(self, owner: str | None, session_id: str, at: int | None = None) -> SessionInfo:
+        self._admit()
+        return self.sessions.info(self.sessions.fork(session_id, at, owner), owner)
+
+    def close(self, owner: str | None, session_id: str) -> None:
+        self.sessions.close(session_id, owner)
+
+    def info(self, owner: str | None, session_id: str) -> SessionInfo:
+        return self.sessions.info(session_id, owner)
+
+    def list_sessions(self, owner: str | None) -> list[SessionInfo]:
+        return self.sessions.list(owner)
+
+    def history(self, owner: str | None, session_id: str) -> list[int]:
+        return self.sessions.tokens(session_id, owner)
+
+    # ---- stateless ----------------------------------------------------------------------------------
+
+    def complete(self, tokens: Sequence[int], request: GenerateRequest) -> AsyncGenerationStream:
+        """A stateless generation: shares cached pages with any earlier request of the same prefix."""
+        self._admit()
+        return self.llm.start(list(tokens), self.sampling_params(request), AsyncGenerationStream(self.llm.engine.cancel))
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.llm.tokenizer.decode(self.llm.engine.validate_tokens(list(token_ids)), skip_special_tokens)
+
+    def health(self) -> dict[str, object]:
+        usage = self.llm.engine.cache.pool.usage()
+        return {
+            "status": "serving" if self.accepting else "shutting_down",
+            "model": self.model_name,
+            "vocab_size": self.llm.loaded.config.vocab_size,
+            "max_model_len": self.llm.engine.max_model_len,
+            "sessions": len(self.sessions),
+            "kv_pages_used": usage.used,
+            "kv_pages_cached": usage.cached,
+            "kv_pages_free": usage.free,
+        }
+
+    def stop_admitting(self) -> None:
+        self.accepting = False
