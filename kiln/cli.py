@@ -13,9 +13,16 @@ from kiln.llm import LLM
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags mirroring EngineConfig (unset flags keep its defaults)."""
     parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded Gemma 3 270M)")
     parser.add_argument("--kv-budget-mb", type=int, default=None, help="memory for KV pages, MiB")
     parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="requests batched in one step")
+    parser.add_argument("--max-batched-tokens", type=int, default=None, help="tokens in one step (prefill chunk)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest history, tokens")
+    parser.add_argument("--max-sessions", type=int, default=None, help="live sessions before LRU eviction")
+    parser.add_argument("--session-ttl-s", type=float, default=None, help="idle seconds before a session is evicted")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
@@ -28,14 +35,19 @@ def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature
 
 
 def _llm(args: argparse.Namespace) -> LLM:
-    options: dict[str, object] = {}
+    options: dict[str, object] = {
+        "page_size": args.page_size,
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "max_batched_tokens": args.max_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "max_sessions": args.max_sessions,
+        "session_ttl_s": args.session_ttl_s,
+        "num_threads": args.threads,
+    }
     if args.kv_budget_mb:
         options["kv_budget_bytes"] = args.kv_budget_mb * 1024**2
-    if args.page_size:
-        options["page_size"] = args.page_size
-    if args.threads:
-        options["num_threads"] = args.threads
-    return LLM(args.model, **options)
+    return LLM(args.model, **{k: v for k, v in options.items() if v is not None})
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
@@ -91,6 +103,18 @@ def cmd_chat(args: argparse.Namespace) -> None:
             )
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from kiln.server.app import ServeOptions, api_keys_for, serve
+
+    options = ServeOptions(
+        host=args.host, grpc_port=args.grpc_port, http_port=args.http_port, api_keys=tuple(args.api_key),
+        api_keys_file=args.api_keys_file, insecure_no_auth=args.insecure_no_auth, shutdown_grace_s=args.shutdown_grace_s,
+    )
+    api_keys_for(options)  # refuse an unsafe bind before spending seconds on loading the model
+    with _llm(args) as llm:
+        serve(llm, options)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln: a session-native LLM inference runtime")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(chat)
     _sampling_args(chat, max_tokens=256, temperature=0.0)
     chat.set_defaults(run=cmd_chat)
+    serve = commands.add_parser("serve", help="serve gRPC and the OpenAI-compatible HTTP API on one engine")
+    _engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--grpc-port", type=int, default=50051)
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
+    serve.add_argument("--api-keys-file", default=None, help="file with one API key per line")
+    serve.add_argument("--insecure-no-auth", action="store_true", help="allow a non-loopback bind without keys")
+    serve.add_argument("--shutdown-grace-s", type=float, default=3.0, help="time in-flight generations get on shutdown")
+    serve.set_defaults(run=cmd_serve)
     args = parser.parse_args(argv)
     try:
         args.run(args)

@@ -177,6 +177,13 @@ class SessionStore:
             self.expire()
             return [self._info(s) for s in self._sessions.values() if s.owner == owner]
 
+    def close_all(self) -> None:
+        """Release every session (server shutdown); each counts as closed."""
+        with self.lock:
+            for session in list(self._sessions.values()):
+                self._end(session, "closed (server shutdown)")
+                self.outcomes["closed"] += 1
+
     def __len__(self) -> int:
         return len(self._sessions)
 

@@ -1,0 +1,128 @@
+"""`kiln serve`: one process, one engine, gRPC and HTTP on one asyncio loop.
+
+Shutdown on SIGINT/SIGTERM is graceful: stop admitting (new calls get UNAVAILABLE), let in-flight
+generations finish for a grace period, cancel what is left, stop both servers, release every session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+
+import uvicorn
+
+from kiln.errors import InvalidArgumentError
+from kiln.llm import LLM
+from kiln.server.auth import ApiKeys
+from kiln.server.grpc import build_grpc_server
+from kiln.server.http import build_http_app
+from kiln.server.metrics import Metrics
+from kiln.server.service import RuntimeService
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    grpc_port: int = 50051
+    http_port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    api_keys_file: str | None = None
+    insecure_no_auth: bool = False  # allow a non-loopback bind without API keys
+    shutdown_grace_s: float = 3.0
+    env: dict[str, str] | None = field(default=None, compare=False)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def api_keys_for(options: ServeOptions) -> ApiKeys:
+    """The configured keys; refuses to expose an unauthenticated server beyond this machine."""
+    keys = ApiKeys.from_sources(options.api_keys, options.api_keys_file, options.env)
+    if not keys.enabled and not is_loopback(options.host) and not options.insecure_no_auth:
+        raise InvalidArgumentError(
+            f"refusing to serve on {options.host} without an API key: pass --api-key, --api-keys-file or "
+            "KILN_API_KEY, or --insecure-no-auth if the network is trusted"
+        )
+    return keys
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the serve loop owns SIGINT/SIGTERM for both servers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # noqa: ANN201 - overrides uvicorn's context manager
+        yield
+
+
+async def serve_async(llm: LLM, options: ServeOptions) -> None:
+    keys = api_keys_for(options)
+    metrics = Metrics(llm)
+    model_name = llm.loaded.config.name or llm.loaded.source.name
+    service = RuntimeService(llm, model_name)
+    grpc_address = f"{options.host}:{options.grpc_port}"
+    grpc_server = build_grpc_server(service, keys, metrics, grpc_address)
+    http = _Uvicorn(uvicorn.Config(build_http_app(service, keys, metrics), host=options.host, port=options.http_port,
+                                   log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+    await grpc_server.start()
+    http_task = asyncio.create_task(http.serve())
+    while not http.started and not http_task.done():
+        await asyncio.sleep(0.02)
+    if http_task.done():
+        await grpc_server.stop(None)
+        raise OSError(f"HTTP server could not start on {options.host}:{options.http_port}")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    auth = "API keys required" if keys.enabled else "no auth"
+    print(f"kiln serve: ready model={model_name} grpc={grpc_address} http=http://{options.host}:{options.http_port} ({auth})",
+          file=sys.stderr, flush=True)
+    await stop.wait()
+    await _shutdown(llm, service, grpc_server, http, http_task, options.shutdown_grace_s)
+
+
+async def _shutdown(llm: LLM, service: RuntimeService, grpc_server, http: uvicorn.Server, http_task: asyncio.Task,  # noqa: ANN001
+                    grace_s: float) -> None:
+    started = time.monotonic()
+    service.stop_admitting()
+    deadline = started + grace_s
+    while llm.engine.scheduler.has_work() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    cancelled = len(llm.engine.scheduler.running) + len(llm.engine.scheduler.waiting)
+    llm.engine.shutdown()  # cancels whatever is still in flight
+    await grpc_server.stop(grace=1.0)
+    http.should_exit = True
+    await http_task
+    sessions = len(llm.sessions)
+    llm.sessions.close_all()
+    print(f"kiln serve: shut down in {time.monotonic() - started:.1f} s "
+          f"({cancelled} generations cancelled, {sessions} sessions released)", file=sys.stderr, flush=True)
+
+
+def serve(llm: LLM, options: ServeOptions) -> None:
+    for port in (options.grpc_port, options.http_port):
+        _check_port_free(options.host, port)
+    asyncio.run(serve_async(llm, options))
+
+
+def _check_port_free(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise InvalidArgumentError(f"cannot listen on {host}:{port}: {error.strerror}") from None
