@@ -90,8 +90,38 @@ async def serve_async(llm: LLM, options: ServeOptions) -> None:
     auth = "API keys required" if keys.enabled else "no auth"
     print(f"kiln serve: ready model={model_name} grpc={grpc_address} http=http://{options.host}:{options.http_port} ({auth})",
           file=sys.stderr, flush=True)
+    print(try_it(options, keys.enabled), file=sys.stderr, flush=True)
     await stop.wait()
     await _shutdown(llm, service, grpc_server, http, http_task, options.shutdown_grace_s)
+
+
+def try_it(options: ServeOptions, auth: bool) -> str:
+    """Three ways to talk to the server, printed once it is ready."""
+    http = f"http://{options.host}:{options.http_port}"
+    key = "$KILN_API_KEY" if auth else "none"
+    header = ' -H "Authorization: Bearer $KILN_API_KEY"' if auth else ""
+    sdk_key = ', api_key=os.environ["KILN_API_KEY"]' if auth else ""
+    return f"""
+Try it:
+  curl -s {http}/v1/completions -H 'Content-Type: application/json'{header} \\
+       -d '{{"prompt": "The capital of France is", "max_tokens": 16}}'
+
+  python - <<'PY'
+import os
+from kiln.client import Client
+with Client("{options.host}:{options.grpc_port}"{sdk_key}, tokenizer="server") as client:
+    session = client.create_session()
+    session.append_text("The capital of France is")
+    print("".join(session.generate_text(max_tokens=16)))
+PY
+
+  python - <<'PY'
+import openai
+client = openai.OpenAI(base_url="{http}/v1", api_key="{key}")
+reply = client.chat.completions.create(model="kiln", messages=[{{"role": "user", "content": "Hello!"}}])
+print(reply.choices[0].message.content)
+PY
+"""
 
 
 async def _shutdown(llm: LLM, service: RuntimeService, grpc_server, http: uvicorn.Server, http_task: asyncio.Task,  # noqa: ANN001

@@ -1,0 +1,206 @@
+"""load_model: any model source -> config, fp32 tensors under Hugging Face names, tokenizer, fingerprint.
+
+Sources: None (the embedded Gemma 3 270M), an HF-style directory (config.json, *.safetensors, possibly
+sharded, tokenizer.json), or a GGUF file. GGUF files are converted once and then read from the
+converted-weight cache (see weight_cache). Every path returns exactly the tensors the model definition
+expects, with shapes checked against the config, so a bad source fails here with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from kiln.errors import InvalidArgumentError
+from kiln.models import weight_cache
+from kiln.models.config import ModelConfig
+from kiln.models.gguf_import import read_gguf
+from kiln.models.hf_config import config_from_hf
+from kiln.tokenizer import Tokenizer
+
+# Files of an HF directory whose bytes decide the model's behaviour, besides the weights.
+_HF_DESCRIPTION_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
+_SHARD_INDEX = "model.safetensors.index.json"
+# Multimodal checkpoints (Gemma 3 4B+) nest the text model; transformers 4 and 5 spell it differently.
+_TEXT_MODEL_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to build: `tensors` are float32 under HF parameter names (exactly the ones the
+    config implies); `fingerprint` is the SHA-256 hex of the source's content and the converter version,
+    stable across machines, and keys KV caches and snapshots."""
+
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: Path
+    fingerprint: str
+
+
+def load_model(source: str | Path | None = None, cache_dir: Path | None = None) -> LoadedModel:
+    """Load `source` (None = the embedded model). `cache_dir` defaults to $KILN_CACHE_DIR or
+    ~/.cache/kiln. Raises InvalidArgumentError for missing paths and unsupported, truncated or
+    incomplete sources."""
+    if source is None:
+        # Imported here: `kiln` imports this module, and embedded must stay unimported until it runs as
+        # `python -m kiln.models.embedded`.
+        from kiln.models.embedded import embedded_model_path
+
+        source = embedded_model_path()
+    path = Path(source).expanduser()
+    cache = Path(cache_dir) if cache_dir is not None else weight_cache.default_cache_dir()
+    if path.is_dir():
+        return _load_hf_dir(path, cache)
+    if path.is_file():
+        return _load_gguf(path, cache)
+    raise InvalidArgumentError(f"model path {path} does not exist")
+
+
+def _load_gguf(path: Path, cache: Path) -> LoadedModel:
+    """Read the cache entry for this file's content, converting and caching it first if there is none."""
+    # A one-file source: its content, not its name, identifies it.
+    key = weight_cache.fingerprint({"model.gguf": weight_cache.file_sha256(path, cache)})
+    entry = cache / key
+    if entry.is_dir():
+        config, tensors, tokenizer = weight_cache.read_entry(entry)
+    else:
+        config, tensors, tokenizer = read_gguf(path)
+        tensors = _checked(tensors, config, path)
+        weight_cache.write_entry(cache, key, config, tensors, tokenizer)
+    return LoadedModel(config, tensors, tokenizer, path, key)
+
+
+def _load_hf_dir(path: Path, cache: Path) -> LoadedModel:
+    """An HF directory is read in place (safetensors already load fast); only its hashes are cached."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise InvalidArgumentError(f"{path} is not a model directory: it has no config.json")
+    try:
+        raw_config = json.loads(config_file.read_text())
+    except ValueError as error:
+        raise InvalidArgumentError(f"{config_file} is not valid JSON: {error}") from error
+    config = config_from_hf(raw_config)
+    shards = _shards(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors.update(_read_safetensors(shard))
+    described = [path / name for name in (*_HF_DESCRIPTION_FILES, _SHARD_INDEX) if (path / name).is_file()]
+    hashes = {file.name: weight_cache.file_sha256(file, cache) for file in [*described, *shards]}
+    return LoadedModel(
+        config,
+        _checked(_text_model_tensors(tensors), config, path),
+        Tokenizer.from_hf_dir(path),
+        path,
+        weight_cache.fingerprint(hashes),
+    )
+
+
+def _shards(path: Path) -> list[Path]:
+    """The safetensors files holding the weights: those the shard index names, else all in the directory."""
+    index = path / _SHARD_INDEX
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in names if not (path / name).is_file()]
+        if missing:
+            raise InvalidArgumentError(
+                f"{path}: shards named in {_SHARD_INDEX} are missing: {', '.join(missing)}"
+            )
+        return [path / name for name in names]
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise InvalidArgumentError(
+            f"{path} has no *.safetensors weights (other weight formats are not supported)"
+        )
+    return shards
+
+
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return {name: tensor.float() for name, tensor in load_file(file).items()}
+    except (SafetensorError, OSError) as error:
+        raise InvalidArgumentError(f"{file} is not a readable safetensors file: {error}") from error
+
+
+def _text_model_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename a multimodal checkpoint's text-model tensors to a text-only model's names."""
+    renamed = {}
+    for name, tensor in tensors.items():
+        prefix = next((p for p in _TEXT_MODEL_PREFIXES if name.startswith(p)), None)
+        renamed[name if prefix is None else _TEXT_MODEL_PREFIXES[prefix] + name[len(prefix) :]] = tensor
+    return renamed
+
+
+def _checked(tensors: dict[str, torch.Tensor], config: ModelConfig, source: Path) -> dict[str, torch.Tensor]:
+    """Exactly the tensors `config` implies, each of the implied shape. Extra tensors (a tied lm_head
+    saved anyway, a vision tower, rotary buffers) are dropped; missing or misshapen ones are an error."""
+    expected = _expected_shapes(config)
+    missing = sorted(set(expected) - tensors.keys())
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise InvalidArgumentError(f"{source} lacks tensors the config requires: {shown}")
+    wrong = [
+        f"{name} {tuple(tensors[name].shape)} != {shape}"
+        for name, shape in expected.items()
+        if tuple(tensors[name].shape) != shape
+    ]
+    if wrong:
+        raise InvalidArgumentError(f"{source} has tensors of the wrong shape: {'; '.join(wrong[:5])}")
+    return {name: tensors[name] for name in expected}
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF parameter name -> torch shape for a decoder-only model of this config."""
+    hidden, q_rows, kv_rows = (
+        config.hidden_size,
+        config.num_heads * config.head_dim,
+        config.num_kv_heads * config.head_dim,
+    )
+    layer: dict[str, tuple[int, ...]] = {
+        "self_attn.q_proj.weight": (q_rows, hidden),
+        "self_attn.k_proj.weight": (kv_rows, hidden),
+        "self_attn.v_proj.weight": (kv_rows, hidden),
+        "self_attn.o_proj.weight": (hidden, q_rows),
+        "mlp.gate_proj.weight": (config.intermediate_size, hidden),
+        "mlp.up_proj.weight": (config.intermediate_size, hidden),
+        "mlp.down_proj.weight": (hidden, config.intermediate_size),
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+    }
+    if config.attention_bias:
+        layer |= {
+            "self_attn.q_proj.bias": (q_rows,),
+            "self_attn.k_proj.bias": (kv_rows,),
+            "self_attn.v_proj.bias": (kv_rows,),
+        }
+    if config.qk_norm:
+        layer |= {
+            "self_attn.q_norm.weight": (config.head_dim,),
+            "self_attn.k_norm.weight": (config.head_dim,),
+        }
+    if config.architecture == "gemma3":
+        layer |= {
+            "pre_feedforward_layernorm.weight": (hidden,),
+            "post_feedforward_layernorm.weight": (hidden,),
+        }
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
+    for index in range(config.num_layers):
+        shapes |= {f"model.layers.{index}.{name}": shape for name, shape in layer.items()}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
