@@ -1,17 +1,24 @@
-"""Kiln: a session-native LLM inference runtime whose KV cache is a first-class, shareable object."""
+"""Kiln: a session-native LLM inference runtime whose KV cache is a first-class, shareable object.
 
-from kiln.config import EngineConfig
-from kiln.engine.sampler import SamplingParams
-from kiln.errors import (
-    FailedPreconditionError,
-    InvalidArgumentError,
-    InvariantViolation,
-    KilnError,
-    NotFoundError,
-    ResourceExhaustedError,
-)
-from kiln.llm import LLM, RequestOutput, Session
+Names resolve lazily: importing one submodule (e.g. kiln.errors) does not build the whole package."""
 
+from __future__ import annotations
+
+from importlib import import_module
+
+_EXPORTS = {
+    "LLM": "kiln.llm",
+    "RequestOutput": "kiln.llm",
+    "Session": "kiln.llm",
+    "EngineConfig": "kiln.config",
+    "SamplingParams": "kiln.engine.sampler",
+    "KilnError": "kiln.errors",
+    "InvalidArgumentError": "kiln.errors",
+    "NotFoundError": "kiln.errors",
+    "FailedPreconditionError": "kiln.errors",
+    "ResourceExhaustedError": "kiln.errors",
+    "InvariantViolation": "kiln.errors",
+}
 __all__ = [
     "LLM",
     "EngineConfig",
@@ -25,3 +32,9 @@ __all__ = [
     "SamplingParams",
     "Session",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kiln' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

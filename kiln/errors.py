@@ -48,6 +48,12 @@ class PermissionDeniedError(KilnError):
     code = "PERMISSION_DENIED"
 
 
+class UnavailableError(KilnError):
+    """The server cannot take the call now (unreachable, or shutting down); retrying later may work."""
+
+    code = "UNAVAILABLE"
+
+
 class InvariantViolation(FailedPreconditionError):
     """A cache invariant broke: a bug in Kiln. Carries a bug id to quote in a report; only the affected
     session fails, and the violation is counted by kind."""

@@ -45,6 +45,11 @@ class BaseStream:
         if self._finish is None and self.request is not None:
             self._cancel(self.request)
 
+    def logprobs_from(self, start: int) -> list[float]:
+        """Logprobs of the tokens handed out so far, from the `start`-th on (empty unless requested):
+        lets a transport stream them beside the ids before the generation ends."""
+        return self._logprobs[start:]
+
     def _record(self, event: Event) -> int:
         """Token id of a token event; for the finish event raise its error or StopIteration-like None."""
         if isinstance(event, TokenEvent):

@@ -1,0 +1,53 @@
+"""gRPC statuses as the typed errors of kiln.errors: the SDK raises the classes the runtime raises in
+process, chosen by the status code's name (never by parsing messages)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import grpc
+
+from kiln.errors import (
+    CancelledError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KilnError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+
+TYPED_ERRORS = (
+    InvalidArgumentError,
+    NotFoundError,
+    FailedPreconditionError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    PermissionDeniedError,
+    CancelledError,
+    UnavailableError,
+)
+_BY_CODE: dict[str, type[KilnError]] = {error.code: error for error in TYPED_ERRORS}
+
+
+def error_for(code: grpc.StatusCode, details: str | None) -> KilnError:
+    """The typed error of a failed call. Statuses without a class of their own (INTERNAL,
+    DEADLINE_EXCEEDED, ...) give a KilnError whose `code` names the status."""
+    typed = _BY_CODE.get(code.name)
+    if typed is not None:
+        return typed(details or code.name)
+    error = KilnError(f"{code.name}: {details}")
+    error.code = code.name
+    return error
+
+
+@contextlib.contextmanager
+def typed_errors() -> Iterator[None]:
+    """Re-raises a failed gRPC call inside the block as its typed error (works around `await` too)."""
+    try:
+        yield
+    except grpc.RpcError as error:
+        raise error_for(error.code(), error.details()) from None

@@ -1,0 +1,244 @@
+"""The blocking Python SDK: Client -> Session -> Generation, over one gRPC channel.
+
+    with Client("127.0.0.1:50051", api_key=key) as client:
+        session = client.create_session(token_ids)
+        for token_id in session.generate(max_tokens=16):
+            ...
+
+Every failure raises the typed error of kiln.errors (NotFoundError, InvalidArgumentError, ...). A Client
+may be shared between threads; aio.AsyncClient is the same surface for asyncio.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from kiln.engine.stream import GenerationResult
+from kiln.errors import NotFoundError
+from kiln.sessions import SessionInfo
+from kiln.v1 import runtime_pb2 as pb
+from kiln.v1 import runtime_pb2_grpc
+
+from . import wire
+from .errors import error_for, typed_errors
+from .generation import BaseGeneration, idle_polls
+from .text import TextAssembler, decode_locally, encode_locally, opt_in, require, uses_server
+
+R = TypeVar("R")
+
+
+class Client:
+    """A connection to a Kiln server. `api_key` is sent as `authorization: Bearer <key>`. `tokenizer`
+    opts in to text helpers (append_text, generate_text): "server" for the server's tokenizer, or a
+    local one with encode()/decode(); by default the client deals in token ids only."""
+
+    def __init__(self, address: str, api_key: str | None = None, tokenizer: Any = None) -> None:
+        self.address = address
+        self.tokenizer = opt_in(tokenizer)
+        self._metadata = wire.auth_metadata(api_key)
+        self._channel = grpc.insecure_channel(address)
+        self._stub = runtime_pb2_grpc.RuntimeStub(self._channel)
+
+    def create_session(self, tokens: Iterable[int] | None = None, ttl_s: float | None = None) -> Session:
+        """A new session with an optional initial history and idle TTL (seconds; None: the server's)."""
+        request = wire.message(pb.CreateSessionRequest, token_ids=wire.token_ids(tokens), ttl_s=ttl_s)
+        return Session(self, self._call(self._stub.CreateSession, request).session.session_id)
+
+    def get_session(self, session_id: str) -> Session:
+        """Reattach to a session by id (e.g. after this process restarted); NotFoundError if it is gone."""
+        self._call(self._stub.GetSessionInfo, wire.message(pb.GetSessionInfoRequest, session_id=session_id))
+        return Session(self, session_id)
+
+    def list_sessions(self) -> list[SessionInfo]:
+        """This API key's live sessions, least recently used first."""
+        return [wire.session_info(s) for s in self._call(self._stub.ListSessions, pb.ListSessionsRequest()).sessions]
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text` by the server's tokenizer."""
+        request = wire.message(pb.TokenizeRequest, text=text, add_special_tokens=add_special_tokens)
+        return list(self._call(self._stub.Tokenize, request).token_ids)
+
+    def detokenize(self, token_ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of token ids by the server's tokenizer."""
+        request = wire.message(pb.DetokenizeRequest, token_ids=wire.token_ids(token_ids),
+                               skip_special_tokens=skip_special_tokens)
+        return self._call(self._stub.Detokenize, request).text
+
+    def health(self) -> wire.Health:
+        return wire.health(self._call(self._stub.Health, pb.HealthRequest()))
+
+    def close(self) -> None:
+        """Closes the channel (sessions live on in the server until closed or evicted)."""
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: Callable[..., R], request: object) -> R:
+        with typed_errors():
+            return method(request, metadata=self._metadata)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        require(self.tokenizer, "append_text")
+        if uses_server(self.tokenizer):
+            return self.tokenize(text, add_special_tokens)
+        return encode_locally(self.tokenizer, text, add_special_tokens)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if uses_server(self.tokenizer):
+            return self.detokenize(token_ids, skip_special_tokens=True)
+        return decode_locally(self.tokenizer, token_ids)
+
+
+class Session:
+    """One server session, by id (`session.id`): an append-only history of token ids whose K/V the
+    server keeps between calls. Using it as a context manager closes it at the end."""
+
+    def __init__(self, client: Client, session_id: str) -> None:
+        self.client = client
+        self.id = session_id
+
+    def append(self, token_ids: Iterable[int]) -> SessionInfo:
+        """Appends to the history (computed by the next generate); returns the session after it."""
+        request = wire.message(pb.AppendTokensRequest, session_id=self.id, token_ids=wire.token_ids(token_ids))
+        return wire.session_info(self.client._call(self.client._stub.AppendTokens, request).session)
+
+    def append_text(self, text: str) -> SessionInfo:
+        """Tokenizes with the client's opted-in tokenizer (special tokens such as BOS only at the very
+        start of a history) and appends."""
+        first = self.info().history_tokens == 0
+        return self.append(self.client._encode(text, add_special_tokens=first))
+
+    def generate(
+        self,
+        max_tokens: int | None = None,
+        temperature: float = 0.0,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        *,
+        stop_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+        logprobs: bool = False,
+    ) -> Generation:
+        """Continues the history; returns once the server accepted (refusals raise here), then iterate
+        for token ids as they commit. max_tokens None: the server's default (256)."""
+        request = wire.generate_request(self.id, max_tokens, temperature, top_p, top_k, seed, stop,
+                                        stop_token_ids, ignore_eos, logprobs)
+        return Generation(self, self.client._stub.Generate(request, metadata=self.client._metadata))
+
+    def generate_text(self, max_tokens: int | None = None, **options: Any) -> Iterator[str]:
+        """Like generate() (same options), yielding text as it becomes final: multi-byte characters
+        whole, the reply cut before a matched stop string. Needs the client's opted-in tokenizer."""
+        require(self.client.tokenizer, "generate_text")
+        assembler = TextAssembler(wire.stop_strings(options.get("stop")))
+        with self.generate(max_tokens, **options) as generation:
+            for chunk in generation.chunks():
+                assembler.add(chunk)
+                while (ids := assembler.to_decode()) is not None:
+                    if piece := assembler.decoded(self.client._decode(ids)):
+                        yield piece
+            if rest := assembler.finish(generation.stop_string):
+                yield rest
+
+    def fork(self, at: int | None = None) -> Session:
+        """A new session sharing the first `at` tokens (None: all) of this history, and their K/V."""
+        request = wire.message(pb.ForkSessionRequest, session_id=self.id, at=at)
+        return Session(self.client, self.client._call(self.client._stub.ForkSession, request).session.session_id)
+
+    def info(self) -> SessionInfo:
+        request = wire.message(pb.GetSessionInfoRequest, session_id=self.id)
+        return wire.session_info(self.client._call(self.client._stub.GetSessionInfo, request).session)
+
+    def close(self) -> None:
+        """Ends the session and frees its K/V; later calls on it raise NotFoundError."""
+        self.client._call(self.client._stub.CloseSession, wire.message(pb.CloseSessionRequest, session_id=self.id))
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(NotFoundError):  # already closed or evicted: gone either way
+            self.close()
+
+    def _wait_idle(self) -> None:
+        for pause in idle_polls(self.id):
+            try:
+                if not self.info().generating:
+                    return
+            except NotFoundError:
+                return
+            time.sleep(pause)
+
+
+class Generation(BaseGeneration):
+    """The token ids of one generation as they commit: `for token_id in generation`. Afterwards
+    finish_reason, usage (what was reused vs prefilled) and result() tell how it went. Leaving early:
+    cancel(), or use it as a context manager."""
+
+    def __init__(self, session: Session, call: grpc.Call) -> None:
+        super().__init__()
+        self._session = session
+        self._call = call
+        call.initial_metadata()  # sent once the server accepted the generation, or with its refusal
+        if call.done() and call.code() != grpc.StatusCode.OK:
+            raise error_for(call.code(), call.details())
+
+    def __iter__(self) -> Iterator[int]:
+        return self
+
+    def __next__(self) -> int:
+        while not self._pending:
+            if not self._receive():
+                raise StopIteration
+        return self._pending.popleft()
+
+    def chunks(self) -> Iterator[list[int]]:
+        """Token ids in the groups they arrived in (every token ready when the server sent them)."""
+        while self._pending or self._receive():
+            if self._pending:
+                yield self._take()
+
+    def result(self) -> GenerationResult:
+        """Waits for the end and summarises the generation; CancelledError if it was cancelled here."""
+        for _ in self.chunks():
+            pass
+        return self._result()
+
+    def cancel(self) -> None:
+        """Stops the generation and returns once the server has freed the session for the next call.
+        Tokens generated before the cancel took effect stay in the history (see info())."""
+        if self._mark_cancelled():
+            self._call.cancel()
+            self._session._wait_idle()
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+    def _receive(self) -> bool:
+        """Reads the next event; False once nothing more will come."""
+        if self._done:
+            return False
+        try:
+            event = next(self._call)
+        except StopIteration:
+            self._stream_closed()
+            return False
+        except grpc.RpcError as error:
+            if self._cancelled:
+                return False
+            raise error_for(error.code(), error.details()) from None
+        self._add(event)
+        return True

@@ -1,0 +1,228 @@
+"""gRPC transport: the `kiln.v1.Runtime` service of proto/kiln/v1/runtime.proto over RuntimeService.
+
+Every RPC identifies its caller from the `authorization: Bearer <key>` metadata (the identity scopes
+sessions), calls the service, and answers a KilnError with the gRPC status of the same name; any other
+exception is a bug: INTERNAL, logged. Each call is counted as `grpc/<Method>` with its status. A failed
+call touches nothing but itself, so the server keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from kiln.engine.stream import AsyncGenerationStream, GenerationResult
+from kiln.errors import InvalidArgumentError, KilnError
+from kiln.server.auth import ApiKeys
+from kiln.server.metrics import Metrics
+from kiln.server.service import GenerateRequest, RuntimeService
+from kiln.sessions import SessionInfo
+from kiln.v1 import runtime_pb2 as pb
+from kiln.v1 import runtime_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_SESSION_ID_CHARS = 128  # issued ids are 22 characters; anything this long is not one of ours
+FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "cancelled": pb.FINISH_REASON_CANCELLED,
+}
+SERVING_STATUSES = {"serving": pb.SERVING_STATUS_SERVING, "shutting_down": pb.SERVING_STATUS_SHUTTING_DOWN}
+
+Handler = Callable[["RuntimeServicer", Any, str | None], Message]  # (servicer, request, owner) -> response
+
+
+def build_grpc_server(service: RuntimeService, keys: ApiKeys, metrics: Metrics, address: str) -> grpc.aio.Server:
+    """A server for `address` ("host:port"), bound but not started. Build it on the event loop that will
+    run it: generations stream their tokens to that loop. Binding a port another process listens on
+    fails (gRPC would otherwise share it via SO_REUSEPORT and split the traffic between servers)."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    runtime_pb2_grpc.add_RuntimeServicer_to_server(RuntimeServicer(service, keys, metrics), server)
+    server.add_insecure_port(address)
+    return server
+
+
+def _unary(handler: Handler) -> Callable[..., Awaitable[Message]]:
+    """Turns `handler(servicer, request, owner) -> response` into a unary RPC method that authenticates,
+    maps errors to statuses and records the call."""
+
+    async def rpc(self: RuntimeServicer, request: Message, context: grpc.aio.ServicerContext) -> Message:
+        async with self.call(handler.__name__, context) as owner:
+            return handler(self, request, owner)
+
+    rpc.__name__ = rpc.__qualname__ = handler.__name__
+    rpc.__doc__ = handler.__doc__
+    return rpc
+
+
+class RuntimeServicer(runtime_pb2_grpc.RuntimeServicer):
+    """The proto's RPCs, each a translation between messages and RuntimeService calls."""
+
+    def __init__(self, service: RuntimeService, keys: ApiKeys, metrics: Metrics) -> None:
+        self.service = service
+        self.keys = keys
+        self.metrics = metrics
+
+    @contextlib.asynccontextmanager
+    async def call(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[str | None]:
+        """The frame of one RPC: yields the caller's identity; ends the call with the status its outcome
+        maps to, and records it."""
+        started = time.perf_counter()
+        status = grpc.StatusCode.OK
+        try:
+            yield self.keys.identify(_metadata(context, "authorization"))
+        except KilnError as error:
+            status = grpc.StatusCode[error.code]
+            await context.abort(status, str(error))
+        except asyncio.CancelledError:  # the client cancelled or went away
+            status = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            status = grpc.StatusCode.INTERNAL
+            log.exception("gRPC %s failed", method)
+            await context.abort(status, f"internal error in {method}; the server logged it")
+        finally:
+            self.metrics.observe_request(f"grpc/{method}", status.name, time.perf_counter() - started)
+
+    @_unary
+    def CreateSession(self, request: pb.CreateSessionRequest, owner: str | None) -> pb.CreateSessionResponse:
+        info = self.service.create_session(owner, request.token_ids, _optional(request, "ttl_s"))
+        return pb.CreateSessionResponse(session=_session_info(info))
+
+    @_unary
+    def AppendTokens(self, request: pb.AppendTokensRequest, owner: str | None) -> pb.AppendTokensResponse:
+        info = self.service.append(owner, _session_id(request), request.token_ids)
+        return pb.AppendTokensResponse(session=_session_info(info))
+
+    @_unary
+    def CloseSession(self, request: pb.CloseSessionRequest, owner: str | None) -> pb.CloseSessionResponse:
+        self.service.close(owner, _session_id(request))
+        return pb.CloseSessionResponse()
+
+    @_unary
+    def GetSessionInfo(self, request: pb.GetSessionInfoRequest, owner: str | None) -> pb.GetSessionInfoResponse:
+        return pb.GetSessionInfoResponse(session=_session_info(self.service.info(owner, _session_id(request))))
+
+    @_unary
+    def ForkSession(self, request: pb.ForkSessionRequest, owner: str | None) -> pb.ForkSessionResponse:
+        info = self.service.fork(owner, _session_id(request), _optional(request, "at"))
+        return pb.ForkSessionResponse(session=_session_info(info))
+
+    @_unary
+    def ListSessions(self, request: pb.ListSessionsRequest, owner: str | None) -> pb.ListSessionsResponse:
+        return pb.ListSessionsResponse(sessions=[_session_info(info) for info in self.service.list_sessions(owner)])
+
+    @_unary
+    def Tokenize(self, request: pb.TokenizeRequest, owner: str | None) -> pb.TokenizeResponse:
+        return pb.TokenizeResponse(token_ids=self.service.tokenize(request.text, request.add_special_tokens))
+
+    @_unary
+    def Detokenize(self, request: pb.DetokenizeRequest, owner: str | None) -> pb.DetokenizeResponse:
+        return pb.DetokenizeResponse(text=self.service.detokenize(request.token_ids, request.skip_special_tokens))
+
+    @_unary
+    def Health(self, request: pb.HealthRequest, owner: str | None) -> pb.HealthResponse:
+        health = self.service.health()
+        return pb.HealthResponse(**{**health, "status": SERVING_STATUSES[health["status"]]})
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        """Initial metadata once the generation is accepted, token chunks as they commit, one Finish.
+        However the call ends (done, failed, cancelled by the client), the generation is stopped so
+        the session is free for the next one."""
+        async with self.call("Generate", context) as owner:
+            stream = self.service.generate(owner, _session_id(request), _generate_request(request))
+            try:
+                await context.send_initial_metadata(())
+                async with contextlib.aclosing(token_batches(stream)) as batches:
+                    async for ids, logprobs in batches:
+                        await context.write(pb.GenerateEvent(tokens=pb.TokenChunk(token_ids=ids, logprobs=logprobs)))
+                await context.write(pb.GenerateEvent(finish=_finish(await stream.result())))
+            finally:
+                stream.cancel()
+
+
+async def token_batches(stream: AsyncGenerationStream) -> AsyncIterator[tuple[list[int], list[float]]]:
+    """(token ids, their logprobs) of a stream, grouped by what is ready when the consumer asks. A pump
+    task takes tokens off the stream as they commit, so each batch holds every token that arrived while
+    the consumer was busy (e.g. writing the previous batch to a slow client), and a lone token is handed
+    over at once: fewer messages, no added latency. Raises the generation's error after its last tokens."""
+    ids: list[int] = []
+    arrived = asyncio.Event()
+
+    async def pump() -> None:
+        try:
+            async for token in stream:
+                ids.append(token)
+                arrived.set()
+        finally:
+            arrived.set()
+
+    task = asyncio.create_task(pump())
+    sent = 0
+    try:
+        while True:
+            await arrived.wait()
+            arrived.clear()
+            ended = task.done()  # read before taking the ids, so none that arrive later are missed
+            if sent < len(ids):
+                batch, logprobs = ids[sent:], stream.logprobs_from(sent)
+                sent = len(ids)
+                yield batch, logprobs
+            if ended:
+                task.result()
+                return
+    finally:
+        task.cancel()
+
+
+def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:
+    return next((value for name, value in context.invocation_metadata() or () if name == key), None)
+
+
+def _session_id(request: Message) -> str:
+    session_id = request.session_id
+    if not session_id:
+        raise InvalidArgumentError("session_id is required")
+    if len(session_id) > MAX_SESSION_ID_CHARS:
+        raise InvalidArgumentError(f"session_id is longer than {MAX_SESSION_ID_CHARS} characters")
+    return session_id
+
+
+def _optional(message: Message, field: str) -> object | None:
+    """A proto3 `optional` field's value, or None when the caller left it unset."""
+    return getattr(message, field) if message.HasField(field) else None
+
+
+def _generate_request(request: pb.GenerateRequest) -> GenerateRequest:
+    return GenerateRequest(
+        max_tokens=_optional(request, "max_tokens"),
+        temperature=_optional(request, "temperature"),
+        top_p=_optional(request, "top_p"),
+        top_k=_optional(request, "top_k"),
+        seed=_optional(request, "seed"),
+        stop=tuple(request.stop),
+        stop_token_ids=tuple(request.stop_token_ids),
+        ignore_eos=request.ignore_eos,
+        logprobs=request.logprobs,
+    )
+
+
+def _session_info(info: SessionInfo) -> pb.SessionInfo:
+    return pb.SessionInfo(**asdict(info))
+
+
+def _finish(result: GenerationResult) -> pb.Finish:
+    return pb.Finish(
+        reason=FINISH_REASONS[result.finish_reason],
+        usage=pb.Usage(**asdict(result.usage)),
+        stop_string=result.stop_string,
+    )

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of proto/kiln/v1/runtime.proto (regenerate with `make proto`; never edit by hand)."""

@@ -1,0 +1,60 @@
+"""TextAssembler: text deltas of streamed token chunks, decoded in bounded windows."""
+
+import pytest
+
+from kiln.client.text import TextAssembler, decode_locally, encode_locally, opt_in
+from kiln.errors import InvalidArgumentError
+from tests.conftest import byte_tokenizer
+
+TOKENIZER = byte_tokenizer()  # one id per UTF-8 byte: multi-byte characters always span several ids
+TEXT = "Grüße aus Köln ✓ 日本語 🎉 " * 12  # 12 repeats: far longer than one decode window
+
+
+def ids_of(text: str) -> list[int]:
+    return encode_locally(TOKENIZER, text, add_special_tokens=False)
+
+
+def stream(text_ids: list[int], chunk: int, stop: tuple[str, ...] = (), stop_string: str | None = None):
+    """(pieces, lengths of the id windows decoded) for ids arriving `chunk` at a time."""
+    assembler, pieces, windows = TextAssembler(stop), [], []
+    for start in range(0, len(text_ids), chunk):
+        assembler.add(text_ids[start : start + chunk])
+        while (ids := assembler.to_decode()) is not None:
+            windows.append(len(ids))
+            pieces.append(assembler.decoded(decode_locally(TOKENIZER, ids)))
+    pieces.append(assembler.finish(stop_string))
+    return [piece for piece in pieces if piece], windows
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 50])
+def test_pieces_are_whole_characters_and_add_up_to_the_text(chunk):
+    pieces, windows = stream(ids_of(TEXT), chunk)
+    assert "".join(pieces) == TEXT
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert max(windows) <= TextAssembler.WINDOW + chunk  # decoding cost does not grow with the text
+
+
+def test_text_is_cut_before_the_matched_stop_string_and_its_start_is_held_back():
+    text = "Hello, wor" + "ld STOP and more"
+    ids = ids_of(text)[: len("Hello, world STOP")]  # the engine stops once the stop string completed
+    pieces, _ = stream(ids, 1, stop=("STOP",), stop_string="STOP")
+    assert "".join(pieces) == "Hello, world "
+    assert all(not piece.endswith(("S", "ST", "STO")) for piece in pieces[:-1])
+
+
+def test_a_held_back_prefix_of_a_stop_string_is_released_when_it_does_not_complete():
+    pieces, _ = stream(ids_of("a ST b"), 1, stop=("STOP",))
+    assert "".join(pieces) == "a ST b"
+
+
+def test_an_invalid_byte_at_the_end_is_kept():
+    ids = ids_of("ab") + ids_of("é")[:1]  # the first byte of a two-byte character only
+    pieces, _ = stream(ids, 1)
+    assert "".join(pieces) == "ab\ufffd"
+
+
+def test_tokenizer_option_must_be_server_or_have_encode_and_decode():
+    assert opt_in(None) is None and opt_in("server") == "server" and opt_in(TOKENIZER) is TOKENIZER
+    for bad in ("local", object()):
+        with pytest.raises(InvalidArgumentError):
+            opt_in(bad)
