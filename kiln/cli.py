@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from kiln.client.chat import reply_prefix, turn_closer, turn_text
 from kiln.engine.sampler import SamplingParams
@@ -65,42 +64,69 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
+    if args.server:
+        from kiln.client import Client
+
+        with Client(args.server, api_key=args.api_key, tokenizer="server") as client:
+            print(f"kiln chat: server {args.server}", file=sys.stderr)
+            _chat_loop(client.create_session(), _RemoteTokenizer(client), args)
+        return
     with _llm(args) as llm:
-        tokenizer = llm.tokenizer
-        session = llm.create_session()
-        interactive = sys.stdin.isatty()
-        print(f"kiln chat: {llm.loaded.config.name or llm.loaded.source.name} (session {session.id[:8]}). Ctrl-D quits.", file=sys.stderr)
-        last_token: int | None = None
-        while True:
-            try:
-                line = input("you> " if interactive else "")
-            except EOFError:
-                break
-            if not line.strip():
-                continue
-            closer = "" if last_token is None else turn_closer(tokenizer, last_token)
-            session.append_text(closer + turn_text("user", line, tokenizer) + reply_prefix(tokenizer))
-            print("model> ", end="", flush=True)
-            started = time.perf_counter()
-            stream = session.generate(_params(args))
-            ids: list[int] = []
-            shown = ""
-            for token in stream:
-                ids.append(token)
-                text = tokenizer.decode(ids)
-                if not text.endswith("\ufffd"):
-                    print(text[len(shown) :], end="", flush=True)
-                    shown = text
-            result = stream.result()
-            last_token = ids[-1] if ids else last_token
-            decode_s = result.total_s - (result.time_to_first_token_s or 0.0)
-            rate = (len(ids) - 1) / decode_s if len(ids) > 1 and decode_s > 0 else 0.0
-            ttft = result.time_to_first_token_s or (time.perf_counter() - started)
-            print(
-                f"\n  [prefilled {result.usage.prefilled_tokens} · reused {result.usage.reused_tokens} from cache · "
-                f"TTFT {ttft:.2f} s · {rate:.1f} tok/s · history {len(session.tokens)} tokens]",
-                file=sys.stderr,
-            )
+        print(f"kiln chat: {llm.loaded.config.name or llm.loaded.source.name} (in process)", file=sys.stderr)
+        _chat_loop(llm.create_session(), llm.tokenizer, args)
+
+
+class _RemoteTokenizer:
+    """The slice of Tokenizer the chat formatting needs, answered by a server's Tokenize RPCs."""
+
+    def __init__(self, client: object) -> None:
+        self.client = client
+
+    def token_to_id(self, token: str) -> int | None:
+        ids = self.client.tokenize(token, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+
+    def decode(self, ids: list[int]) -> str:
+        return self.client.detokenize(ids, skip_special_tokens=True)
+
+
+def _chat_loop(session: object, tokenizer: object, args: argparse.Namespace) -> None:
+    """Turns on one session, in process or remote: only each new turn is appended (and prefilled)."""
+    interactive = sys.stdin.isatty()
+    options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+               "top_k": args.top_k, "seed": args.seed}
+    last_token: int | None = None
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            break
+        if not line.strip():
+            continue
+        closer = "" if last_token is None else turn_closer(tokenizer, last_token)
+        session.append_text(closer + turn_text("user", line, tokenizer) + reply_prefix(tokenizer))
+        print("model> ", end="", flush=True)
+        stream = session.generate(**options)
+        ids: list[int] = []
+        shown = ""
+        for token in stream:
+            ids.append(token)
+            text = tokenizer.decode(ids)
+            if not text.endswith("\ufffd"):
+                print(text[len(shown) :], end="", flush=True)
+                shown = text
+        result = stream.result()
+        last_token = ids[-1] if ids else last_token
+        print("\n  " + _turn_stats(result, session.info().history_tokens), file=sys.stderr)
+
+
+def _turn_stats(result: object, history: int) -> str:
+    decode_s = result.total_s - (result.time_to_first_token_s or 0.0)
+    generated = len(result.token_ids)
+    rate = (generated - 1) / decode_s if generated > 1 and decode_s > 0 else 0.0
+    return (f"[prefilled {result.usage.prefilled_tokens} · reused {result.usage.reused_tokens} from cache · "
+            f"generated {generated} · TTFT {result.time_to_first_token_s or 0.0:.2f} s · {rate:.1f} tok/s · "
+            f"history {history} tokens]")
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -125,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     generate.set_defaults(run=cmd_generate)
     chat = commands.add_parser("chat", help="interactive chat on one session, with per-turn cache statistics")
     _engine_args(chat)
+    chat.add_argument("--server", default=None, help="talk to a running `kiln serve` (gRPC address) instead")
+    chat.add_argument("--api-key", default=None, help="API key for --server")
     _sampling_args(chat, max_tokens=256, temperature=0.0)
     chat.set_defaults(run=cmd_chat)
     serve = commands.add_parser("serve", help="serve gRPC and the OpenAI-compatible HTTP API on one engine")

@@ -20,9 +20,9 @@ def test_chat_reports_prefill_and_reuse_per_turn(tmp_path):
         input="hello there\nand again\n",
         capture_output=True, text=True, timeout=300, check=True, env=env,
     )
-    stats = re.findall(r"prefilled (\d+) · reused (\d+) from cache", run.stderr)
+    stats = re.findall(r"prefilled (\d+) · reused (\d+) from cache · generated (\d+)", run.stderr)
     assert len(stats) == 2, run.stderr
-    (first_prefill, first_reused), (second_prefill, second_reused) = [tuple(map(int, s)) for s in stats]
-    assert first_reused == 0 and first_prefill > 0
-    assert second_reused == first_prefill + 5 - 1  # the whole first turn, but its last generated token
+    (first_prefill, first_reused, generated), (second_prefill, second_reused, _) = [tuple(map(int, s)) for s in stats]
+    assert first_reused == 0 and first_prefill > 0 and second_prefill > 0
+    assert second_reused == first_prefill + generated - 1  # the whole first turn, but its last generated token
     assert run.stdout.count("model> ") == 2

@@ -1,5 +1,6 @@
 """`kiln serve` as a process: refuses unsafe binds, and shuts down cleanly on SIGTERM."""
 
+import re
 import subprocess
 import sys
 
@@ -21,3 +22,14 @@ def test_sigterm_shuts_down_cleanly_and_quickly(tmp_path):
     assert server.process.returncode == 0, "".join(server.log)
     assert seconds < 10
     assert any("shut down in" in line for line in server.log)
+
+
+def test_chat_talks_to_a_running_server(tiny_server):
+    run = subprocess.run(
+        [sys.executable, "-m", "kiln.cli", "chat", "--server", tiny_server.grpc_address, "--max-tokens", "4"],
+        input="hello there\nand again\n", capture_output=True, text=True, timeout=120, check=True,
+    )
+    stats = re.findall(r"prefilled (\d+) · reused (\d+) from cache · generated (\d+)", run.stderr)
+    assert len(stats) == 2, run.stderr
+    (prefilled, reused, generated), (_, second_reused, _) = [tuple(map(int, s)) for s in stats]
+    assert second_reused == prefilled + reused + generated - 1  # all of turn one but its last token
