@@ -1,15 +1,29 @@
 """Chat formatting for clients. The runtime core only sees token ids; these helpers turn messages into
-ids the way the model was trained to read them (Gemma's turn format, or a plain transcript for models
-without turn tokens), so that a session's history only ever grows by appending."""
+ids the way the model was trained to read them, so that a session's history only ever grows by
+appending and a stateless chat request repeats the previous request's tokens as its prefix.
+
+A conversation is rendered with the model's own jinja chat template when its tokenizer has one (in a
+jinja2 sandbox, as transformers does); otherwise in Gemma's turn format when the vocabulary has turn
+tokens (the embedded base model); otherwise as a plain "Role: text" transcript.
+"""
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Iterable, Mapping
+from datetime import datetime
 
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from kiln.errors import InvalidArgumentError
 from kiln.tokenizer import Tokenizer
 
 GEMMA_START, GEMMA_END = "<start_of_turn>", "<end_of_turn>"
 ROLE_NAMES = {"assistant": "model", "model": "model", "user": "user", "system": "user"}
+OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 
 
 def uses_gemma_turns(tokenizer: Tokenizer) -> bool:
@@ -37,6 +51,85 @@ def turn_closer(tokenizer: Tokenizer, last_token: int | None) -> str:
 
 
 def tokens_for_chat(messages: Iterable[Mapping[str, str]], tokenizer: Tokenizer) -> list[int]:
-    """Token ids of a whole conversation (BOS, every turn, then the opening of the model's reply)."""
+    """Token ids of a whole conversation, ending with the opening of the model's reply."""
+    messages = list(messages)
+    if tokenizer.chat_template:
+        # the template writes BOS itself, exactly as transformers' apply_chat_template does
+        return tokenizer.encode(render_template(tokenizer.chat_template, messages, tokenizer), add_special_tokens=False)
     text = "".join(turn_text(m["role"], m["content"], tokenizer) for m in messages) + reply_prefix(tokenizer)
     return tokenizer.encode(text, add_special_tokens=True)
+
+
+def render_template(template: str, messages: list[Mapping[str, str]], tokenizer: Tokenizer) -> str:
+    """A jinja chat template rendered for generation. Template errors (including the template's own
+    raise_exception, e.g. for a role order it refuses) are INVALID_ARGUMENT."""
+    try:
+        return _compiled(template).render(
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token=_token_text(tokenizer, tokenizer.bos_token_id),
+            eos_token=_token_text(tokenizer, tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None),
+        )
+    except jinja2.TemplateError as error:
+        raise InvalidArgumentError(f"the model's chat template refused the conversation: {error}") from None
+
+
+def from_openai_messages(messages: Iterable[object]) -> list[dict[str, str]]:
+    """OpenAI chat messages as plain {role, content} dicts. Content may be a string or a list of text
+    parts (joined); `developer` is a system message; `name` is dropped. Anything else (images, audio,
+    tool calls, tool results) is refused, never silently dropped."""
+    return [_plain_message(index, message) for index, message in enumerate(messages)]
+
+
+def _plain_message(index: int, message: object) -> dict[str, str]:
+    where = f"messages[{index}]"
+    if not isinstance(message, Mapping):
+        raise InvalidArgumentError(f"{where} must be an object with role and content")
+    unsupported = sorted(set(message) - _MESSAGE_FIELDS)
+    if unsupported:
+        raise InvalidArgumentError(f"{where}: unsupported field(s) {', '.join(unsupported)} (Kiln chats in text only)")
+    role = message.get("role")
+    if role not in OPENAI_ROLES:
+        raise InvalidArgumentError(f"{where}: role must be one of {', '.join(OPENAI_ROLES)}, got {role!r}")
+    return {"role": OPENAI_ROLES[role], "content": _text_content(where, message.get("content"))}
+
+
+def _text_content(where: str, content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidArgumentError(f"{where}: content must be a string or a list of text parts")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise InvalidArgumentError(f"{where}: content part of type {kind!r} is not supported; only text parts are")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int | None) -> str:
+    return "" if token_id is None else tokenizer.id_to_token(token_id) or ""
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str) -> jinja2.Template:
+    """Compiled once per template, in the environment transformers uses for chat templates."""
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return environment.from_string(template)
+    except jinja2.TemplateError as error:
+        raise InvalidArgumentError(f"the model's chat template does not compile: {error}") from None
+
+
+def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None, separators: object = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)

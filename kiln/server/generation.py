@@ -1,0 +1,148 @@
+"""One path for every HTTP generation (OpenAI completions, chat, session generate): engine streams in,
+text deltas out, delivered either as one JSON body or as server-sent events.
+
+Whatever the delivery, a generation whose client goes away is cancelled so its sequence and pages are
+freed at once, and an error that happens after SSE headers were sent still reaches the client as an
+error event in the usual envelope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kiln.engine.stream import AsyncGenerationStream, GenerationResult
+from kiln.errors import CancelledError
+from kiln.server.http_errors import error_status
+from kiln.server.textstream import TextDecoder
+from kiln.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+STATUS_KEY = "kiln.status"  # ASGI scope key: the outcome of a response whose HTTP status was already sent
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Text that became final after one generated token (`token_id`, with its `logprob` if they were
+    asked for), or, on the last delta of a generation, the remaining text and the `result`."""
+
+    text: str
+    token_id: int | None = None
+    logprob: float | None = None
+    result: GenerationResult | None = None
+
+
+@dataclass(frozen=True)
+class Output:
+    text: str  # the reply, cut before a matched stop string
+    result: GenerationResult
+
+
+async def deltas(stream: AsyncGenerationStream, tokenizer: Tokenizer, stop: Sequence[str]) -> AsyncIterator[Delta]:
+    """One delta per generated token, then a final one; the deltas' text concatenates to the reply.
+    Engine errors propagate as their typed exception."""
+    decoder = TextDecoder(tokenizer, stop)
+    position = 0
+    async for token_id in stream:
+        logprob = stream.logprobs_from(position)
+        position += 1
+        yield Delta(decoder.push(token_id), token_id, logprob[0] if logprob else None)
+    result = await stream.result()
+    if result.finish_reason == "cancelled":
+        raise CancelledError("the generation was cancelled")
+    yield Delta(decoder.finish(result.stop_string), result=result)
+
+
+async def collect(stream: AsyncGenerationStream, tokenizer: Tokenizer, stop: Sequence[str]) -> Output:
+    """The whole reply of one generation, built from the same deltas a stream would send."""
+    parts = [delta async for delta in deltas(stream, tokenizer, stop)]
+    result = parts[-1].result
+    assert result is not None, "deltas() always ends with the final delta"
+    return Output("".join(delta.text for delta in parts), result)
+
+
+def start_all(starts: Sequence[Callable[[], AsyncGenerationStream]]) -> list[AsyncGenerationStream]:
+    """Start several generations; if one is refused, the ones already started are cancelled."""
+    streams: list[AsyncGenerationStream] = []
+    try:
+        for start in starts:
+            streams.append(start())
+    except BaseException:
+        for stream in streams:
+            stream.cancel()
+        raise
+    return streams
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T], streams: Sequence[AsyncGenerationStream]) -> T:
+    """Await `work` (a non-streaming reply) unless the client disconnects first: then the
+    generations are cancelled and CancelledError (499) is raised."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise CancelledError("the client disconnected")
+        return task.result()
+    finally:
+        watcher.cancel()
+        task.cancel()
+        for stream in streams:
+            stream.cancel()
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse_event(payload: object) -> bytes:
+    """One `data:` event. JSON is ASCII-escaped so that no character in the text (U+2028, U+0085, ...)
+    can look like a line break to a client that splits lines loosely."""
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+class SseResponse(StreamingResponse):
+    """Server-sent events: one `data: <json>` per event, then `data: [DONE]`. An error while streaming
+    becomes a final `data: {"error": ...}` event. When the response ends (finished, failed, or the
+    client went away) every generation still running is cancelled, and the outcome is left in the
+    scope for the request metrics."""
+
+    def __init__(self, events: AsyncIterator[object], streams: Sequence[AsyncGenerationStream]) -> None:
+        self.streams = list(streams)
+        self.outcome: str | None = None
+        super().__init__(self._encode(events), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _encode(self, events: AsyncIterator[object]) -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield sse_event(event)
+        except Exception as error:  # headers are out: the failure travels as an event
+            status, body = error_status(error)
+            if status == 500:
+                logger.error("internal error while streaming an HTTP response", exc_info=error)
+            self.outcome = body["error"]["code"]  # type: ignore[index]
+            yield sse_event(body)
+        yield SSE_DONE
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if any(not stream.finished for stream in self.streams):
+                self.outcome = self.outcome or "CANCELLED"
+                for stream in self.streams:
+                    stream.cancel()
+            if self.outcome is not None:
+                scope[STATUS_KEY] = self.outcome

@@ -1,0 +1,96 @@
+"""The HTTP server: the OpenAI-compatible API (kiln/server/openai_api.py), REST sessions
+(kiln/server/rest.py), `GET /healthz` and `GET /metrics`, all over one RuntimeService.
+
+Layers, outermost first: request metrics (every request, errors included, counted by route template
+and Kiln status name), authentication (kiln/server/http_auth.py), then the routes, whose errors leave
+as OpenAI error envelopes (kiln/server/http_errors.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kiln.server.auth import ApiKeys
+from kiln.server.generation import STATUS_KEY
+from kiln.server.http_auth import AuthMiddleware
+from kiln.server.http_errors import INTERNAL, code_name, install_error_handlers
+from kiln.server.metrics import CONTENT_TYPE, Metrics
+from kiln.server.openai_api import OpenAIRoutes
+from kiln.server.rest import SessionRoutes
+from kiln.server.service import RuntimeService
+
+UNMATCHED_ROUTE = "http/unmatched"  # one label for every unknown path keeps the metric's cardinality bounded
+
+
+def build_http_app(service: RuntimeService, keys: ApiKeys, metrics: Metrics) -> FastAPI:
+    app = FastAPI(title="Kiln", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    routers = [OpenAIRoutes(service).router(), SessionRoutes(service).router(), _operations(service, metrics)]
+    for router in routers:
+        app.include_router(router)
+    app.add_middleware(AuthMiddleware, keys=keys)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics,
+                       routes=[route for router in routers for route in router.routes])
+    return app
+
+
+def _operations(service: RuntimeService, metrics: Metrics) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/healthz")
+    async def healthz() -> JSONResponse:
+        """200 while serving, 503 once shutdown began, so load balancers drain the instance."""
+        health = service.health()
+        return JSONResponse(health, status_code=200 if health["status"] == "serving" else 503)
+
+    @router.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return router
+
+
+class RequestMetricsMiddleware:
+    """Counts and times every HTTP request as `http/<route template>` with its Kiln status name. A
+    streamed response's status is its outcome (an error or a client gone mid-stream), not the 200
+    sent before the first token; its duration runs to the last byte."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: Sequence[BaseRoute]) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.routes = list(routes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        route = self._label(scope)
+        status = INTERNAL
+
+        async def recording_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = code_name(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            self.metrics.observe_request(route, scope.get(STATUS_KEY, status), time.perf_counter() - started)
+
+
+    def _label(self, scope: Scope) -> str:
+        """`http` + the template of the route the path belongs to (any method), e.g.
+        `http/v1/sessions/{session_id}`."""
+        for route in self.routes:
+            match, _ = route.matches(scope)
+            if match != Match.NONE:
+                return "http" + route.path  # type: ignore[attr-defined]
+        return UNMATCHED_ROUTE

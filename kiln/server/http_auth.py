@@ -1,0 +1,48 @@
+"""HTTP authentication: the caller's identity, established before anything else looks at the request.
+
+It runs as ASGI middleware rather than a route dependency so that an unauthenticated caller learns
+nothing else (not whether the body parses, not whether a route exists): with keys configured, every
+request but the open paths needs `Authorization: Bearer <key>`, else 401. `/healthz` is open for load
+balancers; `/metrics` is open for Prometheus scrapers, since it holds only aggregate counters (no
+session ids, tokens or keys); restrict it at the network level if even those are private.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kiln.errors import UnauthenticatedError
+from kiln.server.auth import ApiKeys
+from kiln.server.http_errors import error_response
+
+OPEN_PATHS = frozenset({"/healthz", "/metrics"})
+_OWNER = "kiln.owner"  # ASGI scope key holding the caller's identity
+
+
+class AuthMiddleware:
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        try:
+            scope[_OWNER] = self.keys.identify(Headers(scope=scope).get("authorization"))
+        except UnauthenticatedError as error:
+            await error_response(error)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _caller(request: Request) -> str | None:
+    return request.scope.get(_OWNER)
+
+
+Owner = Annotated[str | None, Depends(_caller)]
+"""The authenticated caller (None when auth is off): the `owner` of every session call."""

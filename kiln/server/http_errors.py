@@ -1,0 +1,120 @@
+"""Errors over HTTP: every failure leaves as the OpenAI error envelope
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": <Kiln code name>}}
+
+with the HTTP status of its Kiln code (the gRPC status names of kiln/errors.py), so HTTP and gRPC
+clients see the same meanings and SDKs translate by `code`. Request-shape problems (malformed JSON,
+wrong types, unknown fields) are INVALID_ARGUMENT. Anything that is not a KilnError is a bug: it is
+logged and answered as INTERNAL without its details.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from kiln.errors import KilnError
+
+logger = logging.getLogger(__name__)
+
+INTERNAL = "INTERNAL"
+STATUS_BY_CODE = {
+    "INVALID_ARGUMENT": 400,
+    "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403,
+    "NOT_FOUND": 404,
+    "FAILED_PRECONDITION": 409,
+    "RESOURCE_EXHAUSTED": 429,
+    "CANCELLED": 499,
+    "UNAVAILABLE": 503,
+}
+CODE_BY_STATUS = {**{status: code for code, status in STATUS_BY_CODE.items()}, 405: "UNIMPLEMENTED"}
+_OPENAI_TYPES = {
+    "UNAUTHENTICATED": "authentication_error",
+    "PERMISSION_DENIED": "permission_error",
+    "NOT_FOUND": "not_found_error",
+    "RESOURCE_EXHAUSTED": "rate_limit_error",
+    "UNAVAILABLE": "service_unavailable_error",
+    INTERNAL: "server_error",
+}
+MAX_REPORTED_PROBLEMS = 3
+
+
+def code_name(status: int) -> str:
+    """The Kiln code name of an HTTP status, as request metrics count it."""
+    if status < 400:
+        return "OK"
+    return CODE_BY_STATUS.get(status, INTERNAL if status >= 500 else "INVALID_ARGUMENT")
+
+
+def envelope(message: str, code: str, param: str | None = None) -> dict[str, object]:
+    return {"error": {"message": message, "type": _OPENAI_TYPES.get(code, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_status(error: Exception) -> tuple[int, dict[str, object]]:
+    """HTTP status and envelope for any exception; a non-Kiln exception is a bug, answered without
+    its details (whoever catches it makes sure it is logged)."""
+    if isinstance(error, KilnError) and error.code in STATUS_BY_CODE:
+        return STATUS_BY_CODE[error.code], envelope(str(error), error.code)
+    return 500, envelope("internal server error (logged by the server)", INTERNAL)
+
+
+def error_response(error: Exception) -> JSONResponse:
+    status, body = error_status(error)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_exception_handler(HTTPException, _http_exception)
+    app.add_exception_handler(KilnError, _kiln_error)
+    app.add_exception_handler(Exception, _bug)
+
+
+async def _kiln_error(_: Request, error: Exception) -> JSONResponse:
+    """Answered here and not re-raised, so one without an HTTP meaning is logged here."""
+    response = error_response(error)
+    if response.status_code == 500:
+        logger.error("Kiln error without an HTTP status while serving a request", exc_info=error)
+    return response
+
+
+async def _bug(_: Request, error: Exception) -> JSONResponse:
+    """Starlette sends this answer, then re-raises the error to the server, which logs its traceback."""
+    return error_response(error)
+
+
+async def _http_exception(request: Request, error: HTTPException) -> JSONResponse:
+    """Starlette's own refusals: no such route (404), wrong method (405)."""
+    message = f"no route {request.method} {request.url.path}" if error.status_code in (404, 405) else str(error.detail)
+    return JSONResponse(envelope(message, code_name(error.status_code)), status_code=error.status_code,
+                        headers=error.headers)
+
+
+async def _invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
+    problems = [_problem(item) for item in error.errors()]
+    param = problems[0][0] if problems else None
+    message = "; ".join(text for _, text in problems[:MAX_REPORTED_PROBLEMS])
+    if len(problems) > MAX_REPORTED_PROBLEMS:
+        message += f" (and {len(problems) - MAX_REPORTED_PROBLEMS} more)"
+    return JSONResponse(envelope(message or "invalid request", "INVALID_ARGUMENT", param), status_code=400)
+
+
+def _problem(item: dict) -> tuple[str | None, str]:
+    """(param, message) of one pydantic error, with the field path as the OpenAI `param`."""
+    path = [str(part) for part in item.get("loc", ()) if part != "body"]
+    param = ".".join(path) or None
+    if item.get("type") == "extra_forbidden":
+        return param, f"unknown field {param!r}"
+    if item.get("type") == "json_invalid":
+        return None, f"malformed JSON: {item.get('ctx', {}).get('error', item.get('msg'))}"
+    if item.get("type") == "model_attributes_type" and param is None:
+        return None, "the request body must be a JSON object, sent as Content-Type: application/json"
+    message = str(item.get("msg", "invalid value")).removeprefix("Value error, ")
+    return param, f"{param}: {message}" if param else message
