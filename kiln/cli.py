@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from kiln.client.chat import reply_prefix, turn_closer, turn_text
+from kiln.client.text import TextDeltas
 from kiln.engine.sampler import SamplingParams
 from kiln.errors import KilnError
 from kiln.llm import LLM
@@ -107,16 +108,12 @@ def _chat_loop(session: object, tokenizer: object, args: argparse.Namespace) -> 
         session.append_text(closer + turn_text("user", line, tokenizer) + reply_prefix(tokenizer))
         print("model> ", end="", flush=True)
         stream = session.generate(**options)
-        ids: list[int] = []
-        shown = ""
+        deltas = TextDeltas(tokenizer.decode)
         for token in stream:
-            ids.append(token)
-            text = tokenizer.decode(ids)
-            if not text.endswith("\ufffd"):
-                print(text[len(shown) :], end="", flush=True)
-                shown = text
+            print(deltas.push([token]), end="", flush=True)
+            last_token = token
         result = stream.result()
-        last_token = ids[-1] if ids else last_token
+        print(deltas.finish(result.stop_string), end="")
         print("\n  " + _turn_stats(result, session.info().history_tokens), file=sys.stderr)
 
 

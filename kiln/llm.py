@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
+from kiln.client.text import TextDeltas
 from kiln.config import EngineConfig
 from kiln.engine.engine import Engine
 from kiln.engine.sampler import SamplingParams
@@ -114,18 +115,16 @@ class Session:
         return stream
 
     def generate_text(self, params: SamplingParams | None = None, **overrides: object) -> Iterator[str]:
-        """Stream text pieces: each yields the newly decodable text (multi-byte characters complete)."""
-        stream = self.generate(params, **overrides)
-        ids: list[int] = []
-        emitted = ""
-        with stream:
+        """Stream text as it becomes final: multi-byte characters whole, the reply cut before a matched
+        stop string."""
+        params = _params(params, overrides)
+        deltas = TextDeltas(self.llm.tokenizer.decode, params.stop)
+        with self.generate(params) as stream:
             for token in stream:
-                ids.append(token)
-                text = self.llm.tokenizer.decode(ids)
-                if text.endswith("\ufffd"):
-                    continue  # an incomplete UTF-8 sequence: wait for the rest
-                yield text[len(emitted) :]
-                emitted = text
+                if piece := deltas.push([token]):
+                    yield piece
+            if rest := deltas.finish(stream.result().stop_string):
+                yield rest
 
     def fork(self, at: int | None = None) -> Session:
         return Session(self.llm, self.llm.sessions.fork(self.id, at))

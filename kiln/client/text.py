@@ -9,7 +9,7 @@ or `tokenizers` tokenizer or kiln.tokenizer.Tokenizer).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kiln.errors import FailedPreconditionError, InvalidArgumentError
@@ -143,3 +143,22 @@ def _partial_suffix(text: str, stop: str) -> int:
         if text.endswith(stop[:length]):
             return length
     return 0
+
+
+class TextDeltas:
+    """A TextAssembler for callers that can decode synchronously (a tokenizer in this process)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()) -> None:
+        self._assembler = TextAssembler(stop)
+        self._decode = decode
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add generated tokens; returns the text that became final (often "")."""
+        self._assembler.add(token_ids)
+        pieces = []
+        while (ids := self._assembler.to_decode()) is not None:
+            pieces.append(self._assembler.decoded(self._decode(ids)))
+        return "".join(pieces)
+
+    def finish(self, stop_string: str | None) -> str:
+        return self._assembler.finish(stop_string)

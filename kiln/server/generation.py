@@ -19,10 +19,10 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kiln.client.text import TextDeltas
 from kiln.engine.stream import AsyncGenerationStream, GenerationResult
 from kiln.errors import CancelledError
 from kiln.server.http_errors import error_status
-from kiln.server.textstream import TextDecoder
 from kiln.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -51,12 +51,12 @@ class Output:
 async def deltas(stream: AsyncGenerationStream, tokenizer: Tokenizer, stop: Sequence[str]) -> AsyncIterator[Delta]:
     """One delta per generated token, then a final one; the deltas' text concatenates to the reply.
     Engine errors propagate as their typed exception."""
-    decoder = TextDecoder(tokenizer, stop)
+    decoder = TextDeltas(tokenizer.decode, stop)
     position = 0
     async for token_id in stream:
         logprob = stream.logprobs_from(position)
         position += 1
-        yield Delta(decoder.push(token_id), token_id, logprob[0] if logprob else None)
+        yield Delta(decoder.push([token_id]), token_id, logprob[0] if logprob else None)
     result = await stream.result()
     if result.finish_reason == "cancelled":
         raise CancelledError("the generation was cancelled")

@@ -1,14 +1,14 @@
-"""TextDecoder: streamed text never shows half a character or any part of a stop string."""
+"""TextDeltas: streamed text never shows half a character or any part of a stop string."""
 
-from kiln.server.textstream import TextDecoder
+from kiln.client.text import TextDeltas
 from tests.conftest import byte_tokenizer
 
 TOKENIZER = byte_tokenizer()  # one token per byte: every multi-byte character spans several tokens
 
 
 def stream(text: str, stop: tuple[str, ...] = (), stop_string: str | None = None) -> list[str]:
-    decoder = TextDecoder(TOKENIZER, stop)
-    deltas = [decoder.push(token) for token in TOKENIZER.encode(text)]
+    decoder = TextDeltas(TOKENIZER.decode, stop)
+    deltas = [decoder.push([token]) for token in TOKENIZER.encode(text)]
     return [*deltas, decoder.finish(stop_string)]
 
 
@@ -35,7 +35,7 @@ def test_partial_stop_match_is_held_back_then_released():
 
 
 def test_invalid_bytes_at_the_end_are_kept():
-    decoder = TextDecoder(TOKENIZER)
-    assert decoder.push(TOKENIZER.encode("a")[0]) == "a"
-    assert decoder.push(TOKENIZER.encode("é")[0]) == ""  # first byte of two: held
+    decoder = TextDeltas(TOKENIZER.decode)
+    assert decoder.push(TOKENIZER.encode("a")[:1]) == "a"
+    assert decoder.push(TOKENIZER.encode("é")[:1]) == ""  # first byte of two: held
     assert decoder.finish(None) == "\ufffd"
