@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.kv.layout import KVLayout
-from kiln.models.attention import AttentionBatch, GroupBatch
+from kiln.models.attention import AttentionBatch, GatherWorkspace, GroupBatch
 
 
 @dataclass
@@ -36,7 +36,11 @@ class StepInputs:
 
 
 def build_step(
-    slices: list[SeqSlice], layout: KVLayout, k_cache: torch.Tensor, v_cache: torch.Tensor
+    slices: list[SeqSlice],
+    layout: KVLayout,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    workspace: GatherWorkspace | None = None,
 ) -> StepInputs:
     device = k_cache.device
     lengths = [len(s.token_ids) for s in slices]
@@ -80,7 +84,9 @@ def build_step(
         valid = offsets < torch.tensor(lengths, device=device)[:, None]
         query_index = starts[:, None] + torch.minimum(offsets, torch.tensor(lengths, device=device)[:, None] - 1)
         query_valid = valid
-    attention = AttentionBatch(query_index, query_valid, groups, k_cache, v_cache, layout.layer_slots())
+    attention = AttentionBatch(
+        query_index, query_valid, groups, k_cache, v_cache, layout.layer_slots(), workspace or GatherWorkspace()
+    )
     return StepInputs(
         input_ids=torch.tensor([t for s in slices for t in s.token_ids], device=device),
         positions=torch.tensor([p for pos in positions for p in pos], device=device),

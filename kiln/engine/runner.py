@@ -6,12 +6,14 @@ import torch
 
 from kiln.engine.batch import SeqSlice, build_step
 from kiln.kv.cache import KVCache
+from kiln.models.attention import GatherWorkspace
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: KVCache) -> None:
         self.model = model
         self.cache = cache
+        self.workspace = GatherWorkspace()
 
     @torch.inference_mode()
     def run(self, slices: list[SeqSlice], sample_rows: list[int]) -> torch.Tensor | None:
@@ -19,7 +21,7 @@ class ModelRunner:
         slices listed in `sample_rows` (those whose chunk ends their sequence), None if there are none.
         The LM head is the biggest matmul of a small model, so intermediate prefill chunks skip it."""
         pool = self.cache.pool
-        step = build_step(slices, self.cache.layout, pool.k, pool.v)
+        step = build_step(slices, self.cache.layout, pool.k, pool.v, self.workspace)
         hidden = self.model(step.input_ids, step.positions, step.attention)
         if not sample_rows:
             return None
