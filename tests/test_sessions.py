@@ -1,5 +1,6 @@
 """Sessions: append-only histories, reuse of their K/V, forks, eviction, invariants, bad input."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,9 +78,11 @@ def test_append_validation_changes_nothing(tiny_llm):
         with pytest.raises(InvalidArgumentError):
             session.append(bad)
     assert session.tokens == [5, 6, 7]
+    session.append(np.array([8, 9], dtype=np.int64))  # NumPy integers are integers
+    assert session.tokens == [5, 6, 7, 8, 9] and all(type(t) is int for t in session.tokens)
     with pytest.raises(InvalidArgumentError, match="context"):
         session.append([5] * llm.engine.max_model_len)
-    assert session.tokens == [5, 6, 7]
+    assert session.tokens == [5, 6, 7, 8, 9]
     with pytest.raises(InvalidArgumentError, match="max_tokens"):
         session.generate(max_tokens=0)
     assert not session.info().generating

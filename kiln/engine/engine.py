@@ -9,6 +9,7 @@ the next step (batch cleanup); session sequences keep their pages.
 from __future__ import annotations
 
 import hashlib
+import numbers
 import threading
 import time
 from collections.abc import Callable
@@ -73,13 +74,14 @@ class Engine:
     # ---- submission -------------------------------------------------------------------------------
 
     def validate_tokens(self, token_ids: list[int]) -> list[int]:
-        """Token ids must be ints inside the model's vocabulary; returns them as a fresh list."""
+        """Token ids must be integers (Python or NumPy) inside the model's vocabulary; returns them as a
+        fresh list of Python ints."""
         vocab = self.model_config.vocab_size
         ids = list(token_ids)
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise InvalidArgumentError(f"token ids must be integers in [0, {vocab}); got {bad[:5]!r}")
-        return ids
+        return [int(t) for t in ids]
 
     def submit(self, seq: Sequence, params: SamplingParams, emit: Callable[[Event], None], keep_pages: bool) -> Request:
         """Queue a generation over `seq` (whose tokens are its prompt/history). Raises before queueing
