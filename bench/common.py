@@ -1,0 +1,222 @@
+"""Shared plumbing of the benchmark scripts: system selection, the reference model, seeded token ids,
+timing statistics, results JSON (with the machine it ran on) and plots.
+
+Every number a script writes was measured in that run; what was not measured is recorded as null with
+the reason, never filled in.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+SYSTEMS = ("kiln", "kiln-grpc", "kiln-http", "hf", "llamacpp")
+LABELS = {
+    "kiln": "Kiln (in process)",
+    "kiln-grpc": "Kiln over gRPC (SDK session)",
+    "kiln-http": "Kiln over OpenAI HTTP (prefix cache)",
+    "hf": "HF transformers",
+    "llamacpp": "llama.cpp (Q4_K_M)",
+}
+# The module each system needs and the package (from the `bench` extra) that provides it.
+_REQUIREMENTS = {
+    "kiln": ("kiln", "kiln"),
+    "kiln-grpc": ("grpc", "grpcio"),
+    "kiln-http": ("openai", "openai"),
+    "hf": ("transformers", "transformers"),
+    "llamacpp": ("llama_cpp", "llama-cpp-python"),
+}
+# Random prompt ids come from this range: ordinary text pieces of the Gemma 3 vocabulary, clear of the
+# control tokens at the bottom and the multimodal tokens at the top.
+TEXT_ID_RANGE = (1000, 200_000)
+THREADS = 2
+BUSY_LOAD = 0.5  # 1-minute load average above which another process is probably using the CPU
+
+
+def parse_systems(text: str) -> list[str]:
+    """`--peers kiln,hf` -> ["kiln", "hf"], in the canonical order, unknown names rejected."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    return [name for name in SYSTEMS if name in names]
+
+
+def warn_if_busy() -> None:
+    """Say so when other processes already load the CPU: with two threads on two cores, every
+    parallel op then waits for a preempted thread and the timings mostly measure the neighbours."""
+    load = os.getloadavg()[0]
+    if load > BUSY_LOAD:
+        print(f"warning: 1-minute load average is {load:.2f} before starting; timings will be noisy", file=sys.stderr)
+
+
+def missing_reason(system: str) -> str | None:
+    """Why `system` cannot run here (its module is not installed), or None when it can."""
+    module, package = _REQUIREMENTS[system]
+    if importlib.util.find_spec(module) is None:
+        return f"{package} is not installed (pip install -e '.[bench]')"
+    return None
+
+
+def set_threads() -> None:
+    """Every system gets the same two threads: torch for Kiln and HF, n_threads for llama.cpp."""
+    torch.set_num_threads(THREADS)
+
+
+def load_reference():  # noqa: ANN201 - kiln.models.loader.LoadedModel, imported lazily
+    """The embedded Gemma 3 270M, dequantised to fp32 under HF names; Kiln and HF both run these weights
+    and llama.cpp runs the GGUF file they came from."""
+    from kiln.models.loader import load_model
+
+    return load_model()
+
+
+def random_ids(count: int, seed: int) -> list[int]:
+    """`count` seeded token ids from TEXT_ID_RANGE, as Python ints (Kiln validates the type)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(*TEXT_ID_RANGE, (count,), generator=generator).tolist()
+
+
+def timed(fn, *args: Any, **kwargs: Any) -> tuple[float, Any]:  # noqa: ANN001 - any callable
+    """(wall seconds, result) of one call, with time.perf_counter."""
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    return time.perf_counter() - start, result
+
+
+def summarize(values: Sequence[float]) -> dict[str, float | int | None]:
+    """Median, min, max and count; the median is the headline figure because the machine is shared."""
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def machine_info() -> dict[str, Any]:
+    """What a reader needs to reproduce or discount the numbers: hardware, versions, commit, load."""
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "threads_used": THREADS,
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "llama_cpp_python": _version("llama-cpp-python"),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain")),
+        "load_average_at_start": list(os.getloadavg()),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=BENCH_DIR, capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return done.stdout.strip()
+
+
+def write_results(name: str, payload: dict[str, Any]) -> Path:
+    """bench/results/<name>.json; the load average at the end tells whether others shared the CPU."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    payload["machine"]["load_average_at_end"] = list(os.getloadavg())
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    return path
+
+
+def _pyplot():  # noqa: ANN202 - matplotlib.pyplot, or None when the bench extra is missing
+    if importlib.util.find_spec("matplotlib") is None:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot written", file=sys.stderr)
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_lines(name: str, series: dict[str, tuple[list[float], list[float]]], xlabel: str, ylabel: str, title: str) -> Path | None:
+    """One line per system (x, y) on a log y axis, since the full-history baseline grows by orders of
+    magnitude past the others. Returns the PNG path, or None without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for system, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="." if len(xs) < 60 else None, label=LABELS[system])
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, yscale="log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return _save(fig, plt, name)
+
+
+def plot_bars(name: str, panels: list[tuple[str, list[str], dict[str, list[float | None]]]], title: str) -> Path | None:
+    """Grouped bars on a linear axis (bar lengths compare honestly), one panel per (ylabel, group labels,
+    {system: values}); a missing value (None) leaves a gap labelled "n/a" rather than a zero-height bar
+    that reads as a measurement."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5.5), squeeze=False)
+    for ax, (ylabel, groups, values) in zip(axes[0], panels, strict=True):
+        width = 0.8 / max(len(values), 1)
+        for k, (system, ys) in enumerate(values.items()):
+            xs = [g + (k - (len(values) - 1) / 2) * width for g in range(len(groups))]
+            bars = ax.bar(xs, [float("nan") if y is None else y for y in ys], width, label=LABELS[system])
+            ax.bar_label(bars, labels=[f"{y:.3g}" if y is not None else "n/a" for y in ys], fontsize=7)
+        ax.set_xticks(range(len(groups)), groups)
+        ax.set(ylabel=ylabel)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    return _save(fig, plt, name)
+
+
+def _save(fig, plt, name: str) -> Path:  # noqa: ANN001 - matplotlib objects
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
