@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: run test bench lint setup model proto clean
+.PHONY: run chat test bench lint setup model proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -16,7 +16,10 @@ setup: $(STAMP)
 model: setup  ## assemble and convert the embedded model (cached after the first run)
 	$(BIN)/python -m kiln.models.embedded
 
-run: model
+run: model  ## serve the embedded model: gRPC on 127.0.0.1:50051, HTTP (OpenAI API) on 127.0.0.1:8000
+	$(BIN)/kiln serve
+
+chat: model  ## interactive chat in process, with per-turn cache statistics
 	$(BIN)/kiln chat
 
 test: model
