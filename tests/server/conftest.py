@@ -55,13 +55,14 @@ def tiny_model_dir(root: Path, arch: str = "llama") -> Path:
 
 def start_server(
     model: str | None,
-    cache_dir: Path,
+    cache_dir: Path | None,
     api_keys: tuple[str, ...] = (),
     extra: tuple[str, ...] = (),
     vocab_size: int = 0,
     timeout: float = 240.0,
 ) -> ServerHandle:
-    """Start `kiln serve` (model None = the embedded one) and wait for its ready line."""
+    """Start `kiln serve` (model None = the embedded one; cache_dir None = the default converted-weight
+    cache) and wait for its ready line."""
     grpc_port, http_port = free_port(), free_port()
     command = [sys.executable, "-m", "kiln.cli", "serve", "--grpc-port", str(grpc_port),
                "--http-port", str(http_port), "--kv-budget-mb", "64", *extra]
@@ -69,7 +70,7 @@ def start_server(
         command += ["--model", model]
     for key in api_keys:
         command += ["--api-key", key]
-    env = {**os.environ, "KILN_CACHE_DIR": str(cache_dir)}
+    env = dict(os.environ) if cache_dir is None else {**os.environ, "KILN_CACHE_DIR": str(cache_dir)}
     env.pop("KILN_API_KEY", None)
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     handle = ServerHandle(process, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", vocab_size, api_keys)
