@@ -21,7 +21,7 @@ from kiln.config import EngineConfig
 from kiln.engine.runner import ModelRunner
 from kiln.engine.sampler import Sampler, SamplingParams
 from kiln.engine.scheduler import ScheduledChunk, Scheduler
-from kiln.engine.sequence import Event, FinishEvent, Phase, Request, Sequence, TokenEvent
+from kiln.engine.sequence import Event, FinishEvent, Request, Sequence, TokenEvent
 from kiln.errors import InvalidArgumentError, KilnError, ResourceExhaustedError
 from kiln.kv.cache import KVCache
 from kiln.kv.layout import KVLayout
@@ -248,7 +248,6 @@ class Engine:
             observe(request, reason)
         self.stats.requests_by_outcome[reason] = self.stats.requests_by_outcome.get(reason, 0) + 1
         self.sampler.forget(request.request_id)
-        request.phase = Phase.IDLE if request.keep_pages else Phase.FINISHED
         if not request.keep_pages:
             self._finished.append(request)
         request.emit(FinishEvent(reason, request.usage(), stop_string, error))

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kiln.engine.sequence import Phase, Request
+from kiln.engine.sequence import Request
 from kiln.errors import ResourceExhaustedError
 from kiln.kv.cache import KVCache
 
@@ -70,7 +70,6 @@ class Scheduler:
             if not self._reserve(request, size, chunks, admitting=True):
                 break
             self.waiting.popleft()
-            request.phase = Phase.RUNNING
             request.admitted_at = request.admitted_at or time.perf_counter()
             self.running.append(request)
             chunks.append(ScheduledChunk(request, size))
@@ -122,7 +121,6 @@ class Scheduler:
         self.cache.release(request.seq.table)
         request.seq.num_computed = 0
         request.attached = False
-        request.phase = Phase.WAITING
         self.waiting.appendleft(request)
         self.preemptions += 1
 

@@ -7,7 +7,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 
 from kiln.engine.sampler import SamplingParams
 from kiln.errors import InvariantViolation
@@ -15,13 +14,6 @@ from kiln.kv.cache import KVCache
 from kiln.kv.pages import PageTable, chain_hashes
 
 _ids = itertools.count(1)
-
-
-class Phase(Enum):
-    WAITING = "waiting"  # queued, not yet admitted
-    RUNNING = "running"  # admitted: gets prefill chunks or decode steps
-    FINISHED = "finished"  # done; pages released by the next step's cleanup (stateless requests)
-    IDLE = "idle"  # done; pages kept by the owning session for its next turn
 
 
 @dataclass
@@ -80,7 +72,10 @@ Event = TokenEvent | FinishEvent
 
 @dataclass
 class Request:
-    """One generation over a sequence. `emit` runs on the engine thread and must not block."""
+    """One generation over a sequence. `emit` runs on the engine thread and must not block. Its life
+    is where it is held: the scheduler's waiting queue, then its running list, then (stateless requests)
+    the engine's finished list until the next step releases the pages together; a session's request
+    just ends, leaving the pages to the session."""
 
     seq: Sequence
     params: SamplingParams
@@ -88,7 +83,6 @@ class Request:
     keep_pages: bool  # a session's sequence keeps its pages when the request ends
     stop_token_ids: frozenset[int]
     request_id: int = field(default_factory=lambda: next(_ids))
-    phase: Phase = Phase.WAITING
     attached: bool = False
     prompt_tokens: int = 0
     reused_tokens: int = 0

@@ -45,6 +45,9 @@ class _EngineState(Collector):
                                       value=stats.reused_tokens)
             yield CounterMetricFamily("kiln_prefill_tokens", "Prompt tokens computed", value=stats.prefill_tokens)
             yield CounterMetricFamily("kiln_generated_tokens", "Tokens generated", value=stats.generated_tokens)
+            yield CounterMetricFamily("kiln_engine_steps", "Engine steps (one forward each)", value=stats.steps)
+            yield _labelled_counter("kiln_generations", "Generations by finish reason", "reason",
+                                    stats.requests_by_outcome, ("stop", "length", "cancelled", "error"))
             yield CounterMetricFamily("kiln_preemptions", "Requests preempted for KV pages",
                                       value=engine.scheduler.preemptions)
             yield _labelled_counter("kiln_cache_invariant_violations", "Cache invariant violations by kind", "kind",
