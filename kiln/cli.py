@@ -10,6 +10,7 @@ from kiln.client.text import TextDeltas
 from kiln.engine.sampler import SamplingParams
 from kiln.errors import KilnError
 from kiln.llm import LLM
+from kiln.server.service import MAX_REQUEST_BYTES
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -132,6 +133,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     options = ServeOptions(
         host=args.host, grpc_port=args.grpc_port, http_port=args.http_port, api_keys=tuple(args.api_key),
         api_keys_file=args.api_keys_file, insecure_no_auth=args.insecure_no_auth, shutdown_grace_s=args.shutdown_grace_s,
+        max_request_bytes=args.max_request_bytes,
     )
     api_keys_for(options)  # refuse an unsafe bind before spending seconds on loading the model
     with _llm(args) as llm:
@@ -161,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-keys-file", default=None, help="file with one API key per line")
     serve.add_argument("--insecure-no-auth", action="store_true", help="allow a non-loopback bind without keys")
     serve.add_argument("--shutdown-grace-s", type=float, default=3.0, help="time in-flight generations get on shutdown")
+    serve.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                       help="largest request body (HTTP) or message (gRPC) accepted, bytes")
     serve.set_defaults(run=cmd_serve)
     args = parser.parse_args(argv)
     try:

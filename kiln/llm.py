@@ -12,12 +12,13 @@ from kiln.client.text import TextDeltas
 from kiln.config import EngineConfig
 from kiln.engine.engine import Engine
 from kiln.engine.sampler import SamplingParams
-from kiln.engine.sequence import Sequence, Usage
+from kiln.engine.sequence import Sequence
 from kiln.engine.stream import BaseStream, GenerationStream
 from kiln.errors import InvalidArgumentError
 from kiln.kv.pages import PageTable
 from kiln.models.loader import LoadedModel, load_model
-from kiln.sessions import SessionInfo, SessionStore
+from kiln.results import SessionInfo, Usage
+from kiln.sessions import SessionStore
 from kiln.tokenizer import Tokenizer
 
 S = TypeVar("S", bound=BaseStream)

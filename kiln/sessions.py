@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from kiln.engine.engine import Engine
 from kiln.engine.sampler import SamplingParams
-from kiln.engine.sequence import Event, FinishEvent, Request, Sequence, Usage
+from kiln.engine.sequence import Event, FinishEvent, Request, Sequence
 from kiln.engine.stream import BaseStream, GenerationStream
 from kiln.errors import (
     FailedPreconditionError,
@@ -27,23 +27,9 @@ from kiln.errors import (
     ResourceExhaustedError,
 )
 from kiln.kv.pages import PageTable
+from kiln.results import SessionInfo, Usage
 
 TOMBSTONES = 10_000  # ids of ended sessions remembered to explain a NOT_FOUND
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    session_id: str
-    history_tokens: int
-    computed_tokens: int  # history tokens whose K/V is resident
-    resident_pages: int
-    resident_kv_bytes: int
-    reused_tokens: int  # last generate: history tokens it did not have to compute
-    last_prefill_tokens: int  # last generate: history tokens it computed
-    generating: bool
-    created_at: float  # unix seconds
-    idle_s: float
-    ttl_s: float
 
 
 @dataclass

@@ -17,9 +17,8 @@ from typing import Any, TypeVar
 import grpc
 import grpc.aio
 
-from kiln.engine.stream import GenerationResult
 from kiln.errors import NotFoundError
-from kiln.sessions import SessionInfo
+from kiln.results import GenerationResult, SessionInfo
 from kiln.v1 import runtime_pb2 as pb
 from kiln.v1 import runtime_pb2_grpc
 

@@ -8,9 +8,8 @@ import time
 from collections import deque
 from collections.abc import Iterator
 
-from kiln.engine.sequence import Usage
-from kiln.engine.stream import GenerationResult
 from kiln.errors import CancelledError, FailedPreconditionError, KilnError
+from kiln.results import GenerationResult, Usage
 from kiln.v1 import runtime_pb2 as pb
 
 from . import wire

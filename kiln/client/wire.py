@@ -11,9 +11,8 @@ from typing import TypeVar
 
 from google.protobuf.message import Message
 
-from kiln.engine.sequence import Usage
 from kiln.errors import InvalidArgumentError
-from kiln.sessions import SessionInfo
+from kiln.results import SessionInfo, Usage
 from kiln.v1 import runtime_pb2 as pb
 
 M = TypeVar("M", bound=Message)

@@ -29,6 +29,7 @@ from kiln.models import build_model
 from kiln.models.loader import LoadedModel
 
 KV_POLICY = "full"
+STOP_TAIL_MARGIN = 8  # characters decoded beyond what a stop-string check strictly needs
 
 
 @dataclass
@@ -229,14 +230,25 @@ class Engine:
         params = request.params
         if token in request.stop_token_ids:
             return "stop", None
-        if params.stop:
-            text = self.tokenizer.decode(request.generated)
-            for stop in params.stop:
-                if stop in text:
-                    return "stop", stop
+        if params.stop and (stop := self._stop_string_at_end(request.generated, params.stop)):
+            return "stop", stop
         if len(request.generated) >= params.max_tokens or len(request.seq.tokens) >= self.max_model_len:
             return "length", None
         return None, None
+
+    def _stop_string_at_end(self, generated: list[int], stops: tuple[str, ...]) -> str | None:
+        """A stop string in the text's tail. Earlier steps checked everything before the newest token,
+        so only enough trailing tokens to hold the longest stop string next to the newest token's text
+        are decoded: each step costs O(stop length), not O(reply length). The margin absorbs what
+        decoding from mid-text changes at the tail's left edge (a split character, a leading space)."""
+        need = max(map(len, stops)) + len(self.tokenizer.decode(generated[-1:])) + STOP_TAIL_MARGIN
+        count = need
+        while True:
+            tail = self.tokenizer.decode(generated[-count:])
+            if len(tail) >= need or count >= len(generated):
+                break
+            count *= 2  # tokens that decode to little (special, partial bytes): widen until it holds
+        return next((stop for stop in stops if stop in tail), None)
 
     def _finish(self, request: Request, reason: str, stop_string: str | None = None, error: Exception | None = None) -> None:
         if not request.prompt_tokens:

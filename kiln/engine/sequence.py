@@ -12,6 +12,7 @@ from kiln.engine.sampler import SamplingParams
 from kiln.errors import InvariantViolation
 from kiln.kv.cache import KVCache
 from kiln.kv.pages import PageTable, chain_hashes
+from kiln.results import Usage
 
 _ids = itertools.count(1)
 
@@ -43,14 +44,6 @@ class Sequence:
         expected = chain_hashes(self.tokens[: (self.num_computed // ps) * ps], ps, cache.salt)
         if self.table.hashes != expected:
             raise InvariantViolation("inv1", "page hashes do not match the token history")
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int  # history length when the request started
-    reused_tokens: int  # of those, tokens whose K/V was already in pages (session or prefix cache)
-    prefilled_tokens: int  # of those, tokens this request computed
-    generated_tokens: int
 
 
 @dataclass(frozen=True)

@@ -7,20 +7,9 @@ import asyncio
 import queue
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 
-from kiln.engine.sequence import Event, FinishEvent, Request, TokenEvent, Usage
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    token_ids: list[int]
-    logprobs: list[float] | None
-    finish_reason: str
-    usage: Usage
-    stop_string: str | None
-    time_to_first_token_s: float | None
-    total_s: float
+from kiln.engine.sequence import Event, FinishEvent, Request, TokenEvent
+from kiln.results import GenerationResult
 
 
 class BaseStream:

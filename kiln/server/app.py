@@ -23,7 +23,7 @@ from kiln.server.auth import ApiKeys
 from kiln.server.grpc import build_grpc_server
 from kiln.server.http import build_http_app
 from kiln.server.metrics import Metrics
-from kiln.server.service import RuntimeService
+from kiln.server.service import MAX_REQUEST_BYTES, RuntimeService
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,12 @@ class ServeOptions:
     api_keys_file: str | None = None
     insecure_no_auth: bool = False  # allow a non-loopback bind without API keys
     shutdown_grace_s: float = 3.0
+    max_request_bytes: int = MAX_REQUEST_BYTES
     env: dict[str, str] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes <= 0:
+            raise InvalidArgumentError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
 
 
 def is_loopback(host: str) -> bool:
@@ -72,8 +77,8 @@ async def serve_async(llm: LLM, options: ServeOptions) -> None:
     model_name = llm.loaded.config.name or llm.loaded.source.name
     service = RuntimeService(llm, model_name)
     grpc_address = f"{options.host}:{options.grpc_port}"
-    grpc_server = build_grpc_server(service, keys, metrics, grpc_address)
-    http = _Uvicorn(uvicorn.Config(build_http_app(service, keys, metrics), host=options.host, port=options.http_port,
+    grpc_server = build_grpc_server(service, keys, metrics, grpc_address, options.max_request_bytes)
+    http = _Uvicorn(uvicorn.Config(build_http_app(service, keys, metrics, options.max_request_bytes), host=options.host, port=options.http_port,
                                    log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
     await grpc_server.start()
     http_task = asyncio.create_task(http.serve())

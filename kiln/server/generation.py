@@ -20,8 +20,9 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kiln.client.text import TextDeltas
-from kiln.engine.stream import AsyncGenerationStream, GenerationResult
+from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import CancelledError
+from kiln.results import GenerationResult
 from kiln.server.http_errors import error_status
 from kiln.tokenizer import Tokenizer
 

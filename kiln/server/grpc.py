@@ -19,12 +19,12 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from kiln.engine.stream import AsyncGenerationStream, GenerationResult
+from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError, KilnError
+from kiln.results import GenerationResult, SessionInfo
 from kiln.server.auth import ApiKeys
 from kiln.server.metrics import Metrics
-from kiln.server.service import GenerateRequest, RuntimeService
-from kiln.sessions import SessionInfo
+from kiln.server.service import MAX_REQUEST_BYTES, GenerateRequest, RuntimeService
 from kiln.v1 import runtime_pb2 as pb
 from kiln.v1 import runtime_pb2_grpc
 
@@ -41,11 +41,13 @@ SERVING_STATUSES = {"serving": pb.SERVING_STATUS_SERVING, "shutting_down": pb.SE
 Handler = Callable[["RuntimeServicer", Any, str | None], Message]  # (servicer, request, owner) -> response
 
 
-def build_grpc_server(service: RuntimeService, keys: ApiKeys, metrics: Metrics, address: str) -> grpc.aio.Server:
+def build_grpc_server(service: RuntimeService, keys: ApiKeys, metrics: Metrics, address: str,
+                      max_request_bytes: int = MAX_REQUEST_BYTES) -> grpc.aio.Server:
     """A server for `address` ("host:port"), bound but not started. Build it on the event loop that will
     run it: generations stream their tokens to that loop. Binding a port another process listens on
-    fails (gRPC would otherwise share it via SO_REUSEPORT and split the traffic between servers)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    fails (gRPC would otherwise share it via SO_REUSEPORT and split the traffic between servers). A
+    larger request message is refused by gRPC itself with RESOURCE_EXHAUSTED."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_request_bytes)])
     runtime_pb2_grpc.add_RuntimeServicer_to_server(RuntimeServicer(service, keys, metrics), server)
     server.add_insecure_port(address)
     return server

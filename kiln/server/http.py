@@ -2,8 +2,8 @@
 (kiln/server/rest.py), `GET /healthz` and `GET /metrics`, all over one RuntimeService.
 
 Layers, outermost first: request metrics (every request, errors included, counted by route template
-and Kiln status name), authentication (kiln/server/http_auth.py), then the routes, whose errors leave
-as OpenAI error envelopes (kiln/server/http_errors.py).
+and Kiln status name), the request body limit, authentication (kiln/server/http_auth.py), then the
+routes, whose errors leave as OpenAI error envelopes (kiln/server/http_errors.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, HTTPException
 from fastapi.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -19,22 +19,24 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kiln.server.auth import ApiKeys
 from kiln.server.generation import STATUS_KEY
 from kiln.server.http_auth import AuthMiddleware
-from kiln.server.http_errors import INTERNAL, code_name, install_error_handlers
+from kiln.server.http_errors import INTERNAL, code_name, install_error_handlers, too_large_response
 from kiln.server.metrics import CONTENT_TYPE, Metrics
 from kiln.server.openai_api import OpenAIRoutes
 from kiln.server.rest import SessionRoutes
-from kiln.server.service import RuntimeService
+from kiln.server.service import MAX_REQUEST_BYTES, RuntimeService
 
 UNMATCHED_ROUTE = "http/unmatched"  # one label for every unknown path keeps the metric's cardinality bounded
 
 
-def build_http_app(service: RuntimeService, keys: ApiKeys, metrics: Metrics) -> FastAPI:
+def build_http_app(service: RuntimeService, keys: ApiKeys, metrics: Metrics,
+                   max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="Kiln", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     routers = [OpenAIRoutes(service).router(), SessionRoutes(service).router(), _operations(service, metrics)]
     for router in routers:
         app.include_router(router)
     app.add_middleware(AuthMiddleware, keys=keys)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics,
                        routes=[route for router in routers for route in router.routes])
     return app
@@ -54,6 +56,38 @@ def _operations(service: RuntimeService, metrics: Metrics) -> APIRouter:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return router
+
+
+class BodyLimitMiddleware:
+    """Refuses a request body over `max_bytes` with 413 before buffering it: at once when its
+    Content-Length says so, otherwise (chunked uploads) as soon as the bytes read pass the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await too_large_response(self._message(declared.decode()))(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise HTTPException(413, self._message(f"at least {received}"))
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _message(self, size: str) -> str:
+        return f"request body of {size} bytes exceeds the server's limit of {self.max_bytes} bytes"
 
 
 class RequestMetricsMiddleware:

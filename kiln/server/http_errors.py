@@ -32,7 +32,8 @@ STATUS_BY_CODE = {
     "CANCELLED": 499,
     "UNAVAILABLE": 503,
 }
-CODE_BY_STATUS = {**{status: code for code, status in STATUS_BY_CODE.items()}, 405: "UNIMPLEMENTED"}
+CODE_BY_STATUS = {**{status: code for code, status in STATUS_BY_CODE.items()}, 405: "UNIMPLEMENTED",
+                  413: "RESOURCE_EXHAUSTED"}
 _OPENAI_TYPES = {
     "UNAUTHENTICATED": "authentication_error",
     "PERMISSION_DENIED": "permission_error",
@@ -54,6 +55,14 @@ def code_name(status: int) -> str:
 def envelope(message: str, code: str, param: str | None = None) -> dict[str, object]:
     return {"error": {"message": message, "type": _OPENAI_TYPES.get(code, "invalid_request_error"),
                       "param": param, "code": code}}
+
+
+def too_large_response(message: str) -> JSONResponse:
+    """413 for an oversized body: RESOURCE_EXHAUSTED as gRPC reports an oversized message, but an
+    invalid request to OpenAI clients rather than a rate limit."""
+    body = envelope(message, "RESOURCE_EXHAUSTED")
+    body["error"]["type"] = "invalid_request_error"  # type: ignore[index]
+    return JSONResponse(body, status_code=413)
 
 
 def error_status(error: Exception) -> tuple[int, dict[str, object]]:
@@ -91,7 +100,9 @@ async def _bug(_: Request, error: Exception) -> JSONResponse:
 
 
 async def _http_exception(request: Request, error: HTTPException) -> JSONResponse:
-    """Starlette's own refusals: no such route (404), wrong method (405)."""
+    """Starlette's own refusals (no such route 404, wrong method 405) and an oversized body (413)."""
+    if error.status_code == 413:
+        return too_large_response(str(error.detail))
     message = f"no route {request.method} {request.url.path}" if error.status_code in (404, 405) else str(error.detail)
     return JSONResponse(envelope(message, code_name(error.status_code)), status_code=error.status_code,
                         headers=error.headers)

@@ -21,9 +21,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from kiln.client.chat import from_openai_messages, tokens_for_chat
-from kiln.engine.sequence import Usage
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import NotFoundError
+from kiln.results import Usage
 from kiln.server.generation import Delta, Output, SseResponse, collect, deltas, start_all, unless_disconnected
 from kiln.server.http_models import ChatBody, CompletionBody, OpenAIBody
 from kiln.server.service import RuntimeService

@@ -24,7 +24,8 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from kiln.engine.stream import AsyncGenerationStream, GenerationResult
+from kiln.engine.stream import AsyncGenerationStream
+from kiln.results import GenerationResult, SessionInfo
 from kiln.server.generation import Output, SseResponse, collect, deltas, unless_disconnected
 from kiln.server.http_auth import Owner
 from kiln.server.http_models import (
@@ -36,7 +37,6 @@ from kiln.server.http_models import (
     TokenizeBody,
 )
 from kiln.server.service import RuntimeService
-from kiln.sessions import SessionInfo
 
 # what a left-out body means (bodies are frozen, so one instance serves every request)
 _EMPTY_CREATE, _EMPTY_FORK, _EMPTY_GENERATE = CreateSessionBody(), ForkBody(), SessionGenerateBody()

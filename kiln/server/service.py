@@ -11,7 +11,9 @@ from kiln.engine.sampler import SamplingParams
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError, KilnError
 from kiln.llm import LLM
-from kiln.sessions import SessionInfo
+from kiln.results import SessionInfo
+
+MAX_REQUEST_BYTES = 4 << 20  # largest request body on both transports: gRPC's own default receive limit
 
 
 class ShuttingDownError(KilnError):

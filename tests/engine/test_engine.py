@@ -106,3 +106,28 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_llm):
     assert other_seed != alone
     greedy_by_top_k = llm.generate(prompt, params, top_k=1)[0].token_ids
     assert greedy_by_top_k == llm.generate(prompt, max_tokens=10, ignore_eos=True)[0].token_ids
+
+
+def test_stop_string_late_in_a_long_reply_decodes_only_a_tail(tiny_llm, monkeypatch):
+    """A stop string first seen far into the reply stops it on the token that completes it, and each
+    step's check decodes a bounded tail rather than the whole reply so far."""
+    llm = tiny_llm("llama")
+    prompt = prompts(1, 8)[0]
+    long = SamplingParams(max_tokens=200, temperature=1.0, seed=7, ignore_eos=True)  # greedy loops
+    free = llm.generate(prompt, long)[0].token_ids
+    decode = llm.tokenizer.decode
+    late = len(decode(free[:150]))
+    text = decode(free)
+    needle = next(text[i : i + 5] for i in range(late, len(text)) if text.index(text[i : i + 5]) >= late)
+    decoded_lengths: list[int] = []
+
+    def counting_decode(ids, *args, **kwargs):
+        decoded_lengths.append(len(list(ids)))
+        return decode(list(ids), *args, **kwargs)
+
+    monkeypatch.setattr(llm.tokenizer, "decode", counting_decode)
+    stopped = llm.generate(prompt, long, stop=(needle,))[0]
+    monkeypatch.undo()
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) > 150
+    assert needle in decode(stopped.token_ids) and needle not in decode(stopped.token_ids[:-1])
+    assert max(decoded_lengths[:-1]) < 40  # the last decode is the output's .text, the whole reply

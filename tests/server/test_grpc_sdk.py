@@ -21,6 +21,7 @@ from kiln.client import (
     InvalidArgumentError,
     KilnError,
     NotFoundError,
+    ResourceExhaustedError,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -292,6 +293,14 @@ def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(tiny_server,
     assert session.info().history_tokens == 3  # nothing was half-applied
     assert session.generate(2, ignore_eos=True).result().usage.generated_tokens == 2
     assert metric(tiny_server, "grpc/CreateSession", "INVALID_ARGUMENT") >= 4
+
+
+def test_an_oversized_message_is_resource_exhausted_and_loses_nothing(tiny_server, client):
+    """gRPC refuses a message over the server's limit (4 MiB by default) before Kiln reads it."""
+    session = client.create_session([1, 2, 3])
+    with pytest.raises(ResourceExhaustedError, match="larger than max"):
+        session.append([tiny_server.vocab_size - 1] * 2_500_000)  # 2-byte varints (ids >= 128): 5 MB
+    assert session.info().history_tokens == 3
 
 
 def test_token_batches_group_what_arrived_while_the_consumer_was_busy(tiny_llm):

@@ -344,3 +344,25 @@ def test_unexpected_errors_are_internal_and_shutdown_is_unavailable(tiny_llm, mo
     service.stop_admitting()
     assert_error(http.post("/v1/completions", json={"prompt": [1, 2]}), 503, "UNAVAILABLE")
     assert http.get("/healthz").status_code == 503
+
+
+def test_oversized_bodies_are_refused_before_they_are_read(tiny_llm):
+    """A declared Content-Length over the limit and a chunked upload that grows past it both get 413
+    with RESOURCE_EXHAUSTED (as gRPC reports an oversized message), counted; smaller bodies pass."""
+    service = RuntimeService(tiny_llm("llama"), "tiny")
+    http = TestClient(build_http_app(service, ApiKeys(), Metrics(service.llm), max_request_bytes=1000))
+    body = json.dumps({"prompt": list(range(3, 400)), "max_tokens": 1}).encode()
+    assert len(body) > 1000
+    error = assert_error(http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"}),
+                         413, "RESOURCE_EXHAUSTED")
+    assert "1000 bytes" in error["message"] and error["type"] == "invalid_request_error"
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: sent with Transfer-Encoding: chunked
+        yield from (body[i : i + 100] for i in range(0, len(body), 100))
+
+    chunked = assert_error(http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}),
+                           413, "RESOURCE_EXHAUSTED")
+    assert chunked["message"].startswith("request body of at least")  # counted as it arrived, no length declared
+    assert http.post("/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 1}).status_code == 200
+    refused = scrape(http)[("kiln_requests_total", (("route", "http/v1/completions"), ("status", "RESOURCE_EXHAUSTED")))]
+    assert refused == 2

@@ -1,0 +1,40 @@
+"""What a generation and a session report: plain records shared by the engine, the servers and the
+SDK. Kept free of torch so that `import kiln.client` stays light."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int  # history length when the request started
+    reused_tokens: int  # of those, tokens whose K/V was already in pages (session or prefix cache)
+    prefilled_tokens: int  # of those, tokens this request computed
+    generated_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str
+    usage: Usage
+    stop_string: str | None
+    time_to_first_token_s: float | None
+    total_s: float
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    history_tokens: int
+    computed_tokens: int  # history tokens whose K/V is resident
+    resident_pages: int
+    resident_kv_bytes: int
+    reused_tokens: int  # last generate: history tokens it did not have to compute
+    last_prefill_tokens: int  # last generate: history tokens it computed
+    generating: bool
+    created_at: float  # unix seconds
+    idle_s: float
+    ttl_s: float
