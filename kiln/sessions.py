@@ -29,6 +29,8 @@ from kiln.errors import (
 from kiln.kv.pages import PageTable
 from kiln.results import SessionInfo, Usage
 
+MIN_TTL_S = 1.0  # shorter, a session could expire before its creator's next call
+MAX_TTL_S = 30 * 86400.0
 TOMBSTONES = 10_000  # ids of ended sessions remembered to explain a NOT_FOUND
 
 
@@ -54,7 +56,7 @@ class SessionStore:
         self.ttl_s = ttl_s
         self._clock = clock
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
-        self._ended: OrderedDict[str, str] = OrderedDict()  # id -> why it ended
+        self._ended: OrderedDict[str, tuple[str | None, str]] = OrderedDict()  # id -> (owner, why it ended)
         self.evictions: Counter[str] = Counter()
         self.outcomes: Counter[str] = Counter()  # created / closed / evicted / failed
         self.invariant_violations: Counter[str] = Counter()
@@ -212,7 +214,8 @@ class SessionStore:
         session = self._sessions.get(session_id) if isinstance(session_id, str) else None
         if session is None or session.owner != owner:
             ended = self._ended.get(session_id) if session is None and isinstance(session_id, str) else None
-            raise NotFoundError(f"session {session_id!r} {ended or 'does not exist'}")
+            why = ended[1] if ended is not None and ended[0] == owner else "does not exist"  # others learn nothing
+            raise NotFoundError(f"session {_shown(session_id)} {why}")
         if session.failure is not None:
             raise FailedPreconditionError(f"session {session_id} failed: {session.failure}")
         if idle and session.active is not None:
@@ -222,7 +225,7 @@ class SessionStore:
     def _end(self, session: _Session, why: str) -> None:
         session.closed = True
         del self._sessions[session.session_id]
-        self._ended[session.session_id] = why
+        self._ended[session.session_id] = (session.owner, why)
         while len(self._ended) > TOMBSTONES:
             self._ended.popitem(last=False)
         if session.active is None:
@@ -258,8 +261,8 @@ class SessionStore:
     def _check_ttl(self, ttl_s: float | None) -> float:
         if ttl_s is None:
             return self.ttl_s
-        if not isinstance(ttl_s, int | float) or not 0 < ttl_s <= 30 * 86400:
-            raise InvalidArgumentError(f"ttl_s must be in (0, 30 days], got {ttl_s!r}")
+        if not isinstance(ttl_s, int | float) or not MIN_TTL_S <= ttl_s <= MAX_TTL_S:
+            raise InvalidArgumentError(f"ttl_s must be in [1 s, 30 days], got {ttl_s!r}")
         return float(ttl_s)
 
     def _info(self, session: _Session) -> SessionInfo:
@@ -278,3 +281,9 @@ class SessionStore:
             idle_s=self._clock() - session.last_used,
             ttl_s=session.ttl_s,
         )
+
+
+def _shown(session_id: object, limit: int = 64) -> str:
+    """A session id as error messages quote it: never echo kilobytes of a malformed id back."""
+    text = repr(session_id)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -85,6 +85,12 @@ class Tokenizer:
         self.chat_template = chat_template
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:  # a lone surrogate, e.g. from a JSON "\ud800" escape
+            raise InvalidArgumentError(
+                f"text is not valid Unicode: {error.reason} at character {error.start}"
+            ) from None
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

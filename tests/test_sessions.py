@@ -107,6 +107,14 @@ def test_sessions_are_invisible_to_other_owners(tiny_llm):
         store.info(sid, owner="key-b")
     assert [s.session_id for s in store.list(owner="key-a")] == [sid]
     assert store.list(owner="key-b") == []
+    store.close(sid, owner="key-a")
+    with pytest.raises(NotFoundError, match="closed"):
+        store.info(sid, owner="key-a")
+    with pytest.raises(NotFoundError, match="does not exist"):  # not even that it once existed
+        store.info(sid, owner="key-b")
+    with pytest.raises(NotFoundError) as refused:
+        store.info("x" * 60_000)
+    assert len(str(refused.value)) < 120
 
 
 def test_second_concurrent_generate_is_refused(tiny_llm):

@@ -23,9 +23,11 @@ from sentencepiece import SentencePieceProcessor
 from sentencepiece import sentencepiece_model_pb2 as sp_model
 from tokenizers import pre_tokenizers, trainers
 
+from kiln.errors import InvalidArgumentError
 from kiln.models.embedded import embedded_model_path
 from kiln.models.gguf_import import read_metadata
 from kiln.tokenizer import Tokenizer
+from tests.conftest import byte_tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. It's 5 o'clock; isn't it?",
@@ -226,3 +228,8 @@ def test_byte_level_gguf_matches_transformers(tmp_path: Path) -> None:
     assert ours.encode("<think>") == [ours.token_to_id("<think>")]
     assert ours.bos_token_id == ours.token_to_id("<|endoftext|>")
     assert set(ours.eos_token_ids) == {ours.token_to_id("<|endoftext|>"), ours.token_to_id("<|im_end|>")}
+
+
+def test_text_that_is_not_valid_unicode_is_invalid_argument():
+    with pytest.raises(InvalidArgumentError, match="not valid Unicode.*character 3"):
+        byte_tokenizer().encode("abc\ud800x")

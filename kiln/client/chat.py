@@ -89,7 +89,7 @@ def _plain_message(index: int, message: object) -> dict[str, str]:
     if unsupported:
         raise InvalidArgumentError(f"{where}: unsupported field(s) {', '.join(unsupported)} (Kiln chats in text only)")
     role = message.get("role")
-    if role not in OPENAI_ROLES:
+    if not isinstance(role, str) or role not in OPENAI_ROLES:
         raise InvalidArgumentError(f"{where}: role must be one of {', '.join(OPENAI_ROLES)}, got {role!r}")
     return {"role": OPENAI_ROLES[role], "content": _text_content(where, message.get("content"))}
 
@@ -102,8 +102,10 @@ def _text_content(where: str, content: object) -> str:
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
+        if kind != "text":
             raise InvalidArgumentError(f"{where}: content part of type {kind!r} is not supported; only text parts are")
+        if not isinstance(part.get("text"), str):
+            raise InvalidArgumentError(f"{where}: a text part needs a string `text`")
         texts.append(part["text"])
     return "".join(texts)
 

@@ -22,7 +22,7 @@ M = TypeVar("M", bound=Message)
 class Health:
     """What the server serves and how full its KV cache is (see HealthResponse in the proto)."""
 
-    status: str  # "serving" | "shutting_down"
+    status: str  # "serving" | "shutting_down" | "engine_failed"
     model: str
     vocab_size: int  # token ids are valid in [0, vocab_size)
     max_model_len: int

@@ -9,6 +9,7 @@ the next step (batch cleanup); session sequences keep their pages.
 from __future__ import annotations
 
 import hashlib
+import logging
 import numbers
 import threading
 import time
@@ -22,11 +23,13 @@ from kiln.engine.runner import ModelRunner
 from kiln.engine.sampler import Sampler, SamplingParams
 from kiln.engine.scheduler import ScheduledChunk, Scheduler
 from kiln.engine.sequence import Event, FinishEvent, Request, Sequence, TokenEvent
-from kiln.errors import InvalidArgumentError, KilnError, ResourceExhaustedError
+from kiln.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from kiln.kv.cache import KVCache
 from kiln.kv.layout import KVLayout
 from kiln.models import build_model
 from kiln.models.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
 
 KV_POLICY = "full"
 STOP_TAIL_MARGIN = 8  # characters decoded beyond what a stop-string check strictly needs
@@ -105,11 +108,18 @@ class Engine:
         request = Request(seq, params, emit, keep_pages, frozenset(stop_ids))
         with self._wake:
             if self._stopping:
-                raise KilnError("the engine is shutting down")
+                raise UnavailableError("the engine is shutting down")
+            if not self.alive:
+                raise UnavailableError("the engine loop stopped after an internal error (see the server log)")
             self.scheduler.add(request)
             self._ensure_thread()
             self._wake.notify()
         return request
+
+    @property
+    def alive(self) -> bool:
+        """False once the loop thread died: nothing would ever run a new request."""
+        return self._thread is None or self._thread.is_alive() or self._stopping
 
     def cancel(self, request: Request) -> None:
         request.cancelled.set()
@@ -153,7 +163,12 @@ class Engine:
                     self._wake.wait()
                 if self._stopping:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as error:  # a bug in a step fails the requests in flight, never the engine
+                logger.exception("engine step failed; failing the requests in flight")
+                with self.lock:
+                    self._fail(list(self.scheduler.running) + list(self.scheduler.waiting), error)
 
     def shutdown(self) -> None:
         """Cancel everything in flight and stop the loop thread."""
@@ -187,10 +202,7 @@ class Engine:
             logits = self.runner.run(slices, sampling)
         except Exception as error:  # a failed forward fails its requests, never the engine
             with self.lock:
-                for chunk in chunks:
-                    self.cache.truncate(chunk.request.seq.table, chunk.request.seq.num_computed)
-                    self.scheduler.remove(chunk.request)
-                    self._finish(chunk.request, "error", error=error)
+                self._fail([chunk.request for chunk in chunks], error)
             return
         with self.lock:
             self._commit(chunks, sampling, logits)
@@ -263,6 +275,13 @@ class Engine:
         if not request.keep_pages:
             self._finished.append(request)
         request.emit(FinishEvent(reason, request.usage(), stop_string, error))
+
+    def _fail(self, requests: list[Request], error: Exception) -> None:
+        """End requests with an error, dropping pages allocated past what they computed."""
+        for request in requests:
+            self.cache.truncate(request.seq.table, request.seq.num_computed)
+            self.scheduler.remove(request)
+            self._finish(request, "error", error=error)
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in list(self.scheduler.running) + list(self.scheduler.waiting) if r.cancelled.is_set()]:

@@ -8,10 +8,12 @@ import torch
 
 from kiln.errors import InvalidArgumentError
 
+GREEDY_BELOW_TEMPERATURE = 1e-5  # colder sampling is argmax in effect (and may round to 0 in float32)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. temperature 0 means greedy; a seed makes sampling
+    """How to pick tokens and when to stop. temperature 0 (or below 1e-5) means greedy; a seed makes sampling
     reproducible per request whatever else shares the batch."""
 
     max_tokens: int = 16
@@ -45,7 +47,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
 
 class Sampler:
@@ -73,7 +75,7 @@ class Sampler:
         return chosen.tolist(), logprobs
 
     def _sample_row(self, logits: torch.Tensor, p: SamplingParams, request_id: int) -> int:
-        scaled = logits / p.temperature
+        scaled = (logits - logits.max()) / p.temperature  # <= 0 everywhere: no overflow at low temperature
         if p.top_k:
             kth = torch.topk(scaled, min(p.top_k, scaled.numel())).values[-1]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -82,6 +84,7 @@ class Sampler:
             sorted_probs, order = probs.sort(descending=True)
             # Keep the smallest set whose mass reaches top_p (the token crossing it included).
             outside = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+            outside[0] = False  # the likeliest token always stays, however small top_p is
             probs = probs.scatter(0, order[outside], 0.0)
         return int(torch.multinomial(probs, 1, generator=self._generator(request_id, p.seed)))
 

@@ -36,7 +36,8 @@ FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
     "cancelled": pb.FINISH_REASON_CANCELLED,
 }
-SERVING_STATUSES = {"serving": pb.SERVING_STATUS_SERVING, "shutting_down": pb.SERVING_STATUS_SHUTTING_DOWN}
+SERVING_STATUSES = {"serving": pb.SERVING_STATUS_SERVING, "shutting_down": pb.SERVING_STATUS_SHUTTING_DOWN,
+                    "engine_failed": pb.SERVING_STATUS_ENGINE_FAILED}
 
 Handler = Callable[["RuntimeServicer", Any, str | None], Message]  # (servicer, request, owner) -> response
 

@@ -45,7 +45,7 @@ def build_http_app(service: RuntimeService, keys: ApiKeys, metrics: Metrics,
 def _operations(service: RuntimeService, metrics: Metrics) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/healthz")
+    @router.api_route("/healthz", methods=["GET", "HEAD"])  # HEAD: probes that read only the status
     async def healthz() -> JSONResponse:
         """200 while serving, 503 once shutdown began, so load balancers drain the instance."""
         health = service.health()
@@ -72,7 +72,7 @@ class BodyLimitMiddleware:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            await too_large_response(self._message(declared.decode()))(scope, receive, send)
+            await too_large_response(self._message(str(int(declared))))(scope, receive, send)
             return
         received = 0
 

@@ -95,15 +95,24 @@ async def _kiln_error(_: Request, error: Exception) -> JSONResponse:
 
 
 async def _bug(_: Request, error: Exception) -> JSONResponse:
-    """Starlette sends this answer, then re-raises the error to the server, which logs its traceback."""
-    return error_response(error)
+    """Starlette sends this answer, then re-raises the error to the server, which logs its traceback
+    and closes the connection: the answer says so, so clients do not reuse it."""
+    response = error_response(error)
+    response.headers["Connection"] = "close"
+    return response
 
 
 async def _http_exception(request: Request, error: HTTPException) -> JSONResponse:
     """Starlette's own refusals (no such route 404, wrong method 405) and an oversized body (413)."""
     if error.status_code == 413:
         return too_large_response(str(error.detail))
-    message = f"no route {request.method} {request.url.path}" if error.status_code in (404, 405) else str(error.detail)
+    if error.status_code == 405:
+        allowed = (error.headers or {}).get("Allow", "")
+        message = f"{request.method} is not allowed on {request.url.path} (allowed: {allowed})"
+    elif error.status_code == 404:
+        message = f"no route {request.method} {request.url.path}"
+    else:
+        message = str(error.detail)
     return JSONResponse(envelope(message, code_name(error.status_code)), status_code=error.status_code,
                         headers=error.headers)
 
@@ -123,6 +132,8 @@ def _problem(item: dict) -> tuple[str | None, str]:
     param = ".".join(path) or None
     if item.get("type") == "extra_forbidden":
         return param, f"unknown field {param!r}"
+    if item.get("type") == "missing" and param is None:
+        return None, "the request body is missing: send a JSON object"
     if item.get("type") == "json_invalid":
         return None, f"malformed JSON: {item.get('ctx', {}).get('error', item.get('msg'))}"
     if item.get("type") == "model_attributes_type" and param is None:

@@ -60,6 +60,15 @@ class GenerateBody(Body):
             logprobs=self.wants_logprobs,
         )
 
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _stop_shape(cls, stop: object, handler: ValidatorFunctionWrapHandler) -> str | list[str] | None:
+        """One clear message instead of one per union branch."""
+        try:
+            return handler(stop)
+        except ValidationError:
+            raise ValueError("must be a string or an array of strings") from None
+
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())

@@ -127,7 +127,7 @@ class RuntimeService:
     def health(self) -> dict[str, object]:
         usage = self.llm.engine.cache.pool.usage()
         return {
-            "status": "serving" if self.accepting else "shutting_down",
+            "status": self._status(),
             "model": self.model_name,
             "vocab_size": self.llm.loaded.config.vocab_size,
             "max_model_len": self.llm.engine.max_model_len,
@@ -136,6 +136,11 @@ class RuntimeService:
             "kv_pages_cached": usage.cached,
             "kv_pages_free": usage.free,
         }
+
+    def _status(self) -> str:
+        if not self.accepting:
+            return "shutting_down"
+        return "serving" if self.llm.engine.alive else "engine_failed"
 
     def stop_admitting(self) -> None:
         self.accepting = False

@@ -19,6 +19,7 @@ class ServingStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SERVING_STATUS_UNSPECIFIED: _ClassVar[ServingStatus]
     SERVING_STATUS_SERVING: _ClassVar[ServingStatus]
     SERVING_STATUS_SHUTTING_DOWN: _ClassVar[ServingStatus]
+    SERVING_STATUS_ENGINE_FAILED: _ClassVar[ServingStatus]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -26,6 +27,7 @@ FINISH_REASON_CANCELLED: FinishReason
 SERVING_STATUS_UNSPECIFIED: ServingStatus
 SERVING_STATUS_SERVING: ServingStatus
 SERVING_STATUS_SHUTTING_DOWN: ServingStatus
+SERVING_STATUS_ENGINE_FAILED: ServingStatus
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "history_tokens", "computed_tokens", "resident_pages", "resident_kv_bytes", "reused_tokens", "last_prefill_tokens", "generating", "created_at", "idle_s", "ttl_s")

@@ -34,6 +34,9 @@ def test_openai_messages_become_plain_text_messages():
     ({"role": "assistant", "content": None, "tool_calls": []}, "tool_calls"),
     ({"role": "tool", "content": "42"}, "role"),
     ({"role": "user"}, "content"),
+    ({"role": ["user"], "content": "hi"}, "role"),
+    ({"role": {"a": 1}, "content": "hi"}, "role"),
+    ({"role": "user", "content": [{"type": "text"}]}, "string `text`"),
     ("hello", "object"),
 ])
 def test_non_text_messages_are_refused(message, complaint):

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kiln import SamplingParams
-from kiln.errors import InvalidArgumentError, ResourceExhaustedError
+from kiln.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from kiln.server.service import RuntimeService
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -131,3 +132,41 @@ def test_stop_string_late_in_a_long_reply_decodes_only_a_tail(tiny_llm, monkeypa
     assert stopped.finish_reason == "stop" and len(stopped.token_ids) > 150
     assert needle in decode(stopped.token_ids) and needle not in decode(stopped.token_ids[:-1])
     assert max(decoded_lengths[:-1]) < 40  # the last decode is the output's .text, the whole reply
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_llm, monkeypatch):
+    llm = tiny_llm("llama", page_size=4)
+    session = llm.create_session(prompts(1, 10)[0])
+    sample = llm.engine.sampler.sample
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a sampler bug")
+
+    monkeypatch.setattr(llm.engine.sampler, "sample", broken)
+    with pytest.raises(RuntimeError, match="a sampler bug"):
+        llm.generate(prompts(1, 7)[0], GREEDY)
+    with pytest.raises(RuntimeError, match="a sampler bug"):
+        list(session.generate(max_tokens=3))
+    monkeypatch.setattr(llm.engine.sampler, "sample", sample)
+    assert len(list(session.generate(max_tokens=3, ignore_eos=True))) == 3  # the session is intact
+    assert session.info().history_tokens == 13
+    assert len(llm.generate(prompts(1, 7)[0], GREEDY)[0].token_ids) == 12
+    assert llm.engine.alive
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
+def test_a_dead_engine_loop_refuses_new_work_as_unavailable(tiny_llm, monkeypatch):
+    llm = tiny_llm("llama")
+    service = RuntimeService(llm, "tiny")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the bug handler")
+
+    monkeypatch.setattr(llm.engine.sampler, "sample", broken)
+    monkeypatch.setattr(llm.engine, "_fail", broken)
+    llm.create_session(prompts(1, 5)[0]).generate(max_tokens=2)  # its step fails, then so does the handler
+    llm.engine._thread.join(timeout=30)
+    assert not llm.engine.alive
+    assert service.health()["status"] == "engine_failed"
+    with pytest.raises(UnavailableError, match="internal error"):
+        llm.generate(prompts(1, 5)[0], GREEDY)

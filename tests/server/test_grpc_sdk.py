@@ -268,6 +268,7 @@ def test_bad_input_is_invalid_argument_and_the_server_keeps_serving(tiny_server,
         lambda: client.create_session([vocab]),
         lambda: client.create_session([-1]),
         lambda: client.create_session([1], ttl_s=0),
+        lambda: client.create_session([1], ttl_s=1e-300),  # would expire before the reply
         lambda: client.create_session([1], ttl_s=1e12),
         lambda: client.create_session([True]),
         lambda: session.append([1, vocab + 5]),

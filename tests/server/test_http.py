@@ -248,9 +248,35 @@ def wait_idle(http: httpx.Client, session: str) -> dict:
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, None),
     ("/v1/sessions", {"token_ids": [1], "ttl": 5}, "ttl"),
+    ("/v1/sessions", {"token_ids": [1], "ttl_s": 1e-300}, None),  # would expire before the reply
+    ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "hi"}]}, None),
+    ("/v1/completions", {"prompt": "hi", "stop": [1, 2]}, "stop"),
 ])
 def test_invalid_requests_get_400_envelopes(http, path, body, param):
     assert assert_error(http.post(path, json=body), 400, "INVALID_ARGUMENT")["param"] == param
+
+
+def test_bodies_that_are_not_requests_are_400_and_the_connection_stays_usable(http):
+    lone_surrogate = b'{"prompt": "\\ud800x", "max_tokens": 2}'
+    for path in ("/v1/completions", "/v1/tokenize"):
+        body = lone_surrogate if path == "/v1/completions" else b'{"text": "\\ud800"}'
+        response = http.post(path, content=body, headers={"content-type": "application/json"})
+        assert "not valid Unicode" in assert_error(response, 400, "INVALID_ARGUMENT")["message"]
+    empty = http.post("/v1/completions", content=b"", headers={"content-type": "application/json"})
+    assert "body is missing" in assert_error(empty, 400, "INVALID_ARGUMENT")["message"]
+    stop = http.post("/v1/completions", json={"prompt": "hi", "stop": [1]})
+    assert assert_error(stop, 400, "INVALID_ARGUMENT")["message"] == "stop: must be a string or an array of strings"
+    wrong_method = assert_error(http.put("/v1/completions", json={}), 405, "UNIMPLEMENTED")
+    assert wrong_method["message"] == "PUT is not allowed on /v1/completions (allowed: POST)"
+    assert http.head("/healthz").status_code == 200
+
+
+def test_extreme_but_valid_sampling_values_complete(http):
+    """Once these killed the engine thread: float32 rounds them to 0. Now greedy in effect."""
+    for body in ({"temperature": 1e-300}, {"temperature": 1e-39}, {"temperature": 1.0, "top_p": 1e-46}):
+        response = http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, **body})
+        assert response.status_code == 200, response.text
+    assert http.get("/healthz").json()["status"] == "serving"
 
 
 def test_malformed_json_and_out_of_vocabulary_ids_are_400(http, tiny_server):
@@ -292,6 +318,10 @@ def test_auth_keys_and_owner_scoping(auth_server):
         assert_error(b.delete(f"/v1/sessions/{session}"), 404, "NOT_FOUND")
         assert session not in {info["session_id"] for info in b.get("/v1/sessions").json()["data"]}
         assert a.get(f"/v1/sessions/{session}").json()["history_tokens"] == 2
+        assert a.delete(f"/v1/sessions/{session}").status_code in (200, 204)
+        assert "closed" in assert_error(a.get(f"/v1/sessions/{session}"), 404, "NOT_FOUND")["message"]
+        ended = assert_error(b.get(f"/v1/sessions/{session}"), 404, "NOT_FOUND")  # not even that it existed
+        assert ended["message"].replace(session, "x") == missing["message"]
         client = openai.OpenAI(base_url=url + "/v1", api_key="key-b", max_retries=0)
         assert client.completions.create(model=client.models.list().data[0].id, prompt="hi", max_tokens=2).choices
 
@@ -333,7 +363,9 @@ def test_unexpected_errors_are_internal_and_shutdown_is_unavailable(tiny_llm, mo
 
     monkeypatch.setattr(service, "tokenize", broken)
     monkeypatch.setattr(service, "detokenize", odd)
-    assert "a bug" not in assert_error(http.post("/v1/tokenize", json={"text": "x"}), 500, "INTERNAL")["message"]
+    bug = http.post("/v1/tokenize", json={"text": "x"})
+    assert "a bug" not in assert_error(bug, 500, "INTERNAL")["message"]
+    assert bug.headers["connection"] == "close"  # the server drops the connection after a bug
     with caplog.at_level(logging.ERROR):
         assert_error(http.post("/v1/detokenize", json={"token_ids": [1]}), 500, "INTERNAL")
     assert "an error without a status" in caplog.text
