@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
@@ -59,9 +60,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, encoded with BOS, or token ids) together in one batch."""
         params = _params(params, overrides)
-        single = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], int))
-        batch = [prompts] if single else list(prompts)
+        items = [prompts] if isinstance(prompts, str) else list(prompts)
+        batch = [items] if items and isinstance(items[0], numbers.Integral) else items
         token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else self.engine.validate_tokens(p) for p in batch]
+        for tokens in token_lists:  # refuse the whole batch before any of it runs
+            self.engine.check_request(len(tokens), params)
         streams = [self.start(tokens, params, GenerationStream(self.engine.cancel)) for tokens in token_lists]
         return [self._output(tokens, stream) for tokens, stream in zip(token_lists, streams, strict=True)]
 
@@ -79,7 +82,7 @@ class LLM:
         return RequestOutput(prompt, result.token_ids, text, result.finish_reason, result.usage, result.logprobs)
 
     def create_session(self, tokens: Seq[int] | None = None, ttl_s: float | None = None) -> Session:
-        return Session(self, self.sessions.create(list(tokens) if tokens is not None else None, ttl_s))
+        return Session(self, self.sessions.create(tokens, ttl_s))
 
     def get_session(self, session_id: str) -> Session:
         self.sessions.info(session_id)  # NotFoundError if it is gone

@@ -69,9 +69,10 @@ class SessionStore:
     # ---- lifecycle --------------------------------------------------------------------------------
 
     def create(self, tokens: list[int] | None = None, ttl_s: float | None = None, owner: str | None = None) -> str:
-        ids = self.engine.validate_tokens(tokens or [])
+        ids = list(tokens) if tokens is not None else []
+        self._check_length(len(ids))  # before looking at each id: a huge request is refused cheaply
+        ids = self.engine.validate_tokens(ids)
         ttl = self._check_ttl(ttl_s)
-        self._check_length(len(ids))
         with self.lock:
             self.expire()
             while len(self._sessions) >= self.max_sessions:
@@ -87,7 +88,7 @@ class SessionStore:
             parent = self._get(session_id, owner, idle=True)
             length = len(parent.seq.tokens)
             at = length if at is None else at
-            if not isinstance(at, int) or not 0 <= at <= length:
+            if not isinstance(at, int) or isinstance(at, bool) or not 0 <= at <= length:
                 raise InvalidArgumentError(f"fork position must be in [0, {length}], got {at!r}")
             while len(self._sessions) >= self.max_sessions:
                 if not self._evict_lru("lru", keep=parent):
@@ -110,9 +111,11 @@ class SessionStore:
     def append(self, session_id: str, token_ids: list[int], owner: str | None = None) -> int:
         """Add tokens to the history (no compute yet: the next generate prefills them). Returns the new
         history length."""
-        ids = self.engine.validate_tokens(token_ids)
+        ids = list(token_ids)
         if not ids:
             raise InvalidArgumentError("append needs at least one token id")
+        self._check_length(len(ids))  # before looking at each id: a huge request is refused cheaply
+        ids = self.engine.validate_tokens(ids)
         with self.lock:
             session = self._get(session_id, owner, idle=True)
             self._check_length(len(session.seq.tokens) + len(ids))

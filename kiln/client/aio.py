@@ -23,7 +23,7 @@ from kiln.v1 import runtime_pb2 as pb
 from kiln.v1 import runtime_pb2_grpc
 
 from . import wire
-from .errors import error_for, typed_errors
+from .errors import error_for, require_open, typed_errors
 from .generation import BaseGeneration, idle_polls
 from .text import TextAssembler, decode_locally, encode_locally, opt_in, require, uses_server
 
@@ -38,7 +38,7 @@ class AsyncClient:
         self.tokenizer = opt_in(tokenizer)
         self._metadata = wire.auth_metadata(api_key)
         self._channel = grpc.aio.insecure_channel(address)
-        self._stub = runtime_pb2_grpc.RuntimeStub(self._channel)
+        self._open_stub: runtime_pb2_grpc.RuntimeStub | None = runtime_pb2_grpc.RuntimeStub(self._channel)
 
     async def create_session(self, tokens: Iterable[int] | None = None, ttl_s: float | None = None) -> AsyncSession:
         """A new session with an optional initial history and idle TTL (seconds; None: the server's)."""
@@ -70,8 +70,14 @@ class AsyncClient:
         return wire.health(await self._call(self._stub.Health, pb.HealthRequest()))
 
     async def close(self) -> None:
-        """Closes the channel (sessions live on in the server until closed or evicted)."""
+        """Closes the channel; later calls raise FailedPreconditionError (sessions live on in the server
+        until closed or evicted)."""
+        self._open_stub = None
         await self._channel.close()
+
+    @property
+    def _stub(self) -> runtime_pb2_grpc.RuntimeStub:
+        return require_open(self._open_stub)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -241,8 +247,10 @@ class AsyncGeneration(BaseGeneration):
                 return False
             raise error_for(error.code(), error.details()) from None
         except asyncio.CancelledError:  # a cancelled call cancels its reader too
-            if self._cancelled and not asyncio.current_task().cancelling():
-                return False
+            if not asyncio.current_task().cancelling():
+                if self._cancelled:
+                    return False
+                require_open(self._session.client._open_stub)  # closing the client cancelled the call
             raise
         if event is grpc.aio.EOF:
             self._stream_closed()

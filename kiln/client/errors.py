@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TypeVar
 
 import grpc
 
@@ -32,6 +33,8 @@ TYPED_ERRORS = (
 )
 _BY_CODE: dict[str, type[KilnError]] = {error.code: error for error in TYPED_ERRORS}
 
+S = TypeVar("S")
+
 
 def error_for(code: grpc.StatusCode, details: str | None) -> KilnError:
     """The typed error of a failed call. Statuses without a class of their own (INTERNAL,
@@ -51,3 +54,12 @@ def typed_errors() -> Iterator[None]:
         yield
     except grpc.RpcError as error:
         raise error_for(error.code(), error.details()) from None
+
+
+def require_open(stub: S | None) -> S:
+    """A client's stub, which is None once the client was closed: calls then raise FailedPreconditionError,
+    and so do reads of the streams the close ended, rather than grpc's untyped errors (ValueError,
+    UsageError, asyncio.CancelledError)."""
+    if stub is None:
+        raise FailedPreconditionError("the client is closed")
+    return stub

@@ -24,7 +24,7 @@ from kiln.v1 import runtime_pb2 as pb
 from kiln.v1 import runtime_pb2_grpc
 
 from . import wire
-from .errors import error_for, typed_errors
+from .errors import error_for, require_open, typed_errors
 from .generation import BaseGeneration, idle_polls
 from .text import TextAssembler, decode_locally, encode_locally, opt_in, require, uses_server
 
@@ -41,7 +41,7 @@ class Client:
         self.tokenizer = opt_in(tokenizer)
         self._metadata = wire.auth_metadata(api_key)
         self._channel = grpc.insecure_channel(address)
-        self._stub = runtime_pb2_grpc.RuntimeStub(self._channel)
+        self._open_stub: runtime_pb2_grpc.RuntimeStub | None = runtime_pb2_grpc.RuntimeStub(self._channel)
 
     def create_session(self, tokens: Iterable[int] | None = None, ttl_s: float | None = None) -> Session:
         """A new session with an optional initial history and idle TTL (seconds; None: the server's)."""
@@ -72,8 +72,14 @@ class Client:
         return wire.health(self._call(self._stub.Health, pb.HealthRequest()))
 
     def close(self) -> None:
-        """Closes the channel (sessions live on in the server until closed or evicted)."""
+        """Closes the channel; later calls raise FailedPreconditionError (sessions live on in the server
+        until closed or evicted)."""
+        self._open_stub = None
         self._channel.close()
+
+    @property
+    def _stub(self) -> runtime_pb2_grpc.RuntimeStub:
+        return require_open(self._open_stub)
 
     def __enter__(self) -> Client:
         return self
@@ -238,6 +244,7 @@ class Generation(BaseGeneration):
         except grpc.RpcError as error:
             if self._cancelled:
                 return False
+            require_open(self._session.client._open_stub)  # closing the client ended the stream
             raise error_for(error.code(), error.details()) from None
         self._add(event)
         return True

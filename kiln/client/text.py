@@ -126,9 +126,11 @@ class TextAssembler:
         return delta
 
     def _safe_end(self) -> int:
-        """End of the prefix of the window's text that no later token can change or cut."""
-        text = self._text
-        end = len(text.rstrip(REPLACEMENT))
+        """End of the prefix of the window's text that no later token can change or cut. A trailing
+        U+FFFD is a character still to complete, so stop strings are matched against the text before it:
+        "x" then half of "é" may be the start of the stop string "xé"."""
+        text = self._text.rstrip(REPLACEMENT)
+        end = len(text)
         for stop in self._stop:
             found = text.find(stop, self._released)
             if found >= 0:

@@ -5,7 +5,8 @@ things."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import numbers
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import TypeVar
 
@@ -33,28 +34,66 @@ class Health:
 
 
 def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    """The `authorization` header of an API key. A key must be printable ASCII without spaces (what a
+    header value carries and the server compares): anything else is refused here, when the client is
+    created, rather than failing every call as INTERNAL "invalid metadata"."""
+    if api_key is None:
+        return ()
+    if not isinstance(api_key, str) or not api_key or not all("!" <= c <= "~" for c in api_key):
+        raise InvalidArgumentError("api_key must be a non-empty string of printable ASCII without spaces")
+    return (("authorization", f"Bearer {api_key}"),)
 
 
 def message(cls: type[M], **values: object) -> M:
     """cls(**values); a value of the wrong type or out of the field's range raises InvalidArgumentError
-    (a None leaves the field unset)."""
+    naming the field (a None leaves the field unset)."""
     try:
         return cls(**values)
     except (TypeError, ValueError) as error:
-        raise InvalidArgumentError(f"{cls.DESCRIPTOR.name}: {error}") from None
+        culprit = next((name for name, value in values.items() if not _fits(cls, name, value)), None)
+        where = cls.DESCRIPTOR.name if culprit is None else f"{culprit}={values[culprit]!r:.80}"
+        raise InvalidArgumentError(f"{where}: {error}") from None
+
+
+def _fits(cls: type[Message], name: str, value: object) -> bool:
+    """Whether field `name` of `cls` takes `value` (protobuf's error does not always name the field)."""
+    try:
+        cls(**{name: value})
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def token_ids(ids: Iterable[int] | None) -> list[int]:
-    """Ids as a list; booleans are refused rather than sent as 0/1 (as the runtime does in process)."""
-    ids = list(ids or ())
-    if any(isinstance(t, bool) for t in ids):
-        raise InvalidArgumentError(f"token ids must be integers, got {ids[:5]!r}")
-    return ids
+    """Any iterable of integers (a list, a NumPy array, ...) as a list. Booleans are refused rather than
+    sent as 0/1 (as the runtime does in process), and so are a bare str or bytes."""
+    return _items(ids, _is_token_id, "token ids must be an iterable of integers")
 
 
-def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
-    return [stop] if isinstance(stop, str) else list(stop or ())
+def _is_token_id(value: object) -> bool:
+    """An int, or another Integral such as a NumPy integer (the ABC check only for those: it is slow)."""
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
+
+
+def stop_strings(stop: str | Iterable[str] | None) -> list[str]:
+    """A str is one stop string; otherwise an iterable of them."""
+    if isinstance(stop, str):
+        return [stop]
+    return _items(stop, lambda value: isinstance(value, str), "stop must be a string or an iterable of strings")
+
+
+def _items(values: object, is_item: Callable[[object], bool], what: str) -> list:
+    """`values` (None: none) as a list, or InvalidArgumentError saying it must be `what` when it is a bare
+    str or bytes, not iterable, or holds something `is_item` refuses."""
+    if values is None:
+        return []
+    try:
+        items = None if isinstance(values, str | bytes | bytearray) else list(values)
+    except TypeError:
+        items = None
+    if items is None or not all(map(is_item, items)):
+        raise InvalidArgumentError(f"{what}, got {values!r:.80}")
+    return items
 
 
 def generate_request(
@@ -64,7 +103,7 @@ def generate_request(
     top_p: float | None,
     top_k: int | None,
     seed: int | None,
-    stop: str | Sequence[str] | None,
+    stop: str | Iterable[str] | None,
     stop_token_ids: Iterable[int],
     ignore_eos: bool,
     logprobs: bool,

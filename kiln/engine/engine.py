@@ -13,7 +13,7 @@ import logging
 import numbers
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -77,32 +77,37 @@ class Engine:
 
     # ---- submission -------------------------------------------------------------------------------
 
-    def validate_tokens(self, token_ids: list[int]) -> list[int]:
+    def validate_tokens(self, token_ids: Iterable[int], what: str = "token ids") -> list[int]:
         """Token ids must be integers (Python or NumPy) inside the model's vocabulary; returns them as a
         fresh list of Python ints."""
         vocab = self.model_config.vocab_size
         ids = list(token_ids)
         bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise InvalidArgumentError(f"token ids must be integers in [0, {vocab}); got {bad[:5]!r}")
+            raise InvalidArgumentError(f"{what} must be integers in [0, {vocab}); got {bad[:5]!r}")
         return [int(t) for t in ids]
 
-    def submit(self, seq: Sequence, params: SamplingParams, emit: Callable[[Event], None], keep_pages: bool) -> Request:
-        """Queue a generation over `seq` (whose tokens are its prompt/history). Raises before queueing
-        if it can never run: empty, longer than the context, or larger than the whole KV pool."""
-        if not seq.tokens:
+    def check_request(self, num_tokens: int, params: SamplingParams) -> None:
+        """Raises if a generation over `num_tokens` of history can never run: empty, no room left in the
+        context, or larger than the whole KV pool."""
+        if not num_tokens:
             raise InvalidArgumentError("nothing to generate from: the history is empty")
-        if len(seq.tokens) >= self.max_model_len:
+        if num_tokens >= self.max_model_len:
             raise InvalidArgumentError(
-                f"history of {len(seq.tokens)} tokens leaves no room in the model's context of {self.max_model_len}"
+                f"history of {num_tokens} tokens leaves no room in the model's context of {self.max_model_len}"
             )
-        worst = self._worst_case_pages(min(len(seq.tokens) + params.max_tokens, self.max_model_len))
+        worst = self._worst_case_pages(min(num_tokens + params.max_tokens, self.max_model_len))
         if worst > self.cache.pool.num_pages:
             raise ResourceExhaustedError(
                 f"this request may need {worst} KV pages; the pool has {self.cache.pool.num_pages} "
                 f"(raise kv_budget_bytes or lower max_tokens)"
             )
-        stop_ids = set(params.stop_token_ids)
+
+    def submit(self, seq: Sequence, params: SamplingParams, emit: Callable[[Event], None], keep_pages: bool) -> Request:
+        """Queue a generation over `seq` (whose tokens are its prompt/history). Raises before queueing
+        if it can never run: empty, longer than the context, or larger than the whole KV pool."""
+        self.check_request(len(seq.tokens), params)
+        stop_ids = set(self.validate_tokens(params.stop_token_ids, "stop_token_ids"))
         if not params.ignore_eos:
             stop_ids.update(self.tokenizer.eos_token_ids)
         request = Request(seq, params, emit, keep_pages, frozenset(stop_ids))
@@ -218,13 +223,34 @@ class Engine:
         if logits is None:
             return
         requests = [chunks[i].request for i in sampling]
-        token_ids, logprobs = self.sampler.sample(logits, [r.params for r in requests], [r.request_id for r in requests])
-        for row, request in enumerate(requests):
+        for request, sampled in zip(requests, self._sample(logits, requests), strict=True):
             if request.cancelled.is_set():
                 self.scheduler.remove(request)
                 self._finish(request, "cancelled")
-                continue
-            self._accept(request, token_ids[row], logprobs[row] if logprobs and request.params.logprobs else None)
+            elif isinstance(sampled, Exception):
+                self._fail([request], sampled)
+            else:
+                self._accept(request, *sampled)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, float | None] | Exception]:
+        """(token, logprob or None) per request. Should sampling the batch fail (a bug), each row is
+        sampled alone, so only the request whose sampling fails fails."""
+        try:
+            return self._sample_rows(logits, requests)
+        except Exception:
+            logger.exception("sampling a batch failed; sampling its rows one by one")
+        sampled: list[tuple[int, float | None] | Exception] = []
+        for row, request in enumerate(requests):
+            try:
+                sampled += self._sample_rows(logits[row : row + 1], [request])
+            except Exception as error:
+                sampled.append(error)
+        return sampled
+
+    def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, float | None]]:
+        token_ids, logprobs = self.sampler.sample(logits, [r.params for r in requests], [r.request_id for r in requests])
+        return [(token, logprobs[row] if logprobs and request.params.logprobs else None)
+                for row, (token, request) in enumerate(zip(token_ids, requests, strict=True))]
 
     def _accept(self, request: Request, token: int, logprob: float | None) -> None:
         request.seq.tokens.append(token)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +12,9 @@ import torch
 from kiln.errors import InvalidArgumentError
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # colder sampling is argmax in effect (and may round to 0 in float32)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256  # characters
 
 
 @dataclass(frozen=True)
@@ -27,27 +33,51 @@ class SamplingParams:
     logprobs: bool = False  # report the log-probability of each chosen token
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        problems = []
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            problems.append(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not 0 <= self.temperature <= 100:
-            problems.append(f"temperature must be in [0, 100], got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            problems.append(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if any(not s for s in self.stop):
-            problems.append("stop strings must be non-empty")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        object.__setattr__(self, "stop", tuple(stop) if isinstance(stop, Iterable) else stop)
+        if isinstance(self.stop_token_ids, Iterable):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        problems = [problem for problem in self._problems() if problem]
         if problems:
             raise InvalidArgumentError("; ".join(problems))
+
+    def _problems(self) -> Iterator[str | None]:
+        yield _integer_in("max_tokens", self.max_tokens, 1, None)
+        yield _number_in("temperature", self.temperature, 0.0, 100.0, low_open=False)
+        yield _integer_in("top_k", self.top_k, 0, None)
+        yield _number_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if self.seed is not None:
+            yield _integer_in("seed", self.seed, *SEED_RANGE)
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            yield f"stop must be a string or a list of non-empty strings, got {self.stop!r}"
+        elif len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
+            yield f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LENGTH} characters"
+        if not isinstance(self.stop_token_ids, tuple) or not all(_is_integer(t) for t in self.stop_token_ids):
+            yield f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
+        if not isinstance(self.ignore_eos, bool) or not isinstance(self.logprobs, bool):
+            yield "ignore_eos and logprobs must be booleans"
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _integer_in(name: str, value: object, low: int, high: int | None) -> str | None:
+    if _is_integer(value) and low <= value and (high is None or value <= high):  # type: ignore[operator]
+        return None
+    bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+    return f"{name} must be an integer {bound}, got {value!r}"
+
+
+def _number_in(name: str, value: object, low: float, high: float, low_open: bool) -> str | None:
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if real and (low < value if low_open else low <= value) and value <= high:  # type: ignore[operator]
+        return None
+    return f"{name} must be a number in {'(' if low_open else '['}{low:g}, {high:g}], got {value!r}"
 
 
 class Sampler:

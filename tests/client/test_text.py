@@ -58,3 +58,15 @@ def test_tokenizer_option_must_be_server_or_have_encode_and_decode():
     for bad in ("local", object()):
         with pytest.raises(InvalidArgumentError):
             opt_in(bad)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 4])
+@pytest.mark.parametrize("stop", ["xé", "z✓", "日本", "z🎉"])
+def test_the_start_of_a_stop_string_ending_in_a_multi_byte_character_is_held_back(chunk, stop):
+    """While the stop string's last character is half-decoded (U+FFFD), its start is still held back;
+    the long prefix makes the window restart on the way."""
+    prefix = "Grüße aus Köln " * 8 + "a"
+    ids = ids_of(prefix + stop + " and more")[: len((prefix + stop).encode())]
+    pieces, windows = stream(ids, chunk, stop=(stop,), stop_string=stop)
+    assert "".join(pieces) == prefix
+    assert max(windows) <= TextAssembler.WINDOW + chunk

@@ -1,5 +1,6 @@
 """Engine behaviour on tiny random models: batching, chunking, prefix reuse, capacity, cancellation."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -170,3 +171,44 @@ def test_a_dead_engine_loop_refuses_new_work_as_unavailable(tiny_llm, monkeypatc
     assert service.health()["status"] == "engine_failed"
     with pytest.raises(UnavailableError, match="internal error"):
         llm.generate(prompts(1, 5)[0], GREEDY)
+
+
+def test_a_request_whose_sampling_fails_fails_alone(tiny_llm, monkeypatch):
+    """Sampling that fails for one request of a batch (a bug) fails that request; the rest go on."""
+    llm = tiny_llm("llama")
+    sample = llm.engine.sampler.sample
+
+    def fails_for_warm_requests(logits, params, request_ids):
+        if any(p.temperature == 0.7 for p in params):
+            raise RuntimeError("a sampler bug")
+        return sample(logits, params, request_ids)
+
+    monkeypatch.setattr(llm.engine.sampler, "sample", fails_for_warm_requests)
+    session = llm.create_session(prompts(1, 9)[0])
+    healthy = session.generate(max_tokens=300, ignore_eos=True)  # still running when the other fails
+    with pytest.raises(RuntimeError, match="a sampler bug"):
+        llm.generate(prompts(1, 7)[0], GREEDY, temperature=0.7)
+    assert healthy.result().usage.generated_tokens == 300
+
+
+def test_a_refused_prompt_refuses_the_whole_batch_before_any_runs(tiny_llm):
+    llm = tiny_llm("llama")
+    before = llm.engine.stats.generated_tokens
+    with pytest.raises(InvalidArgumentError, match="empty"):
+        llm.generate([prompts(1, 5)[0], []], GREEDY)
+    with pytest.raises(InvalidArgumentError, match="stop_token_ids"):
+        llm.generate(prompts(1, 5)[0], GREEDY, stop_token_ids=(10**6,))
+    assert llm.engine.stats.generated_tokens == before
+
+
+def test_numpy_token_arrays_are_prompts_and_histories(tiny_llm):
+    llm = tiny_llm("llama")
+    prompt = prompts(1, 6)[0]
+    expected = llm.generate(prompt, GREEDY)[0].token_ids
+    assert llm.generate(np.array(prompt), GREEDY)[0].token_ids == expected
+    assert [o.token_ids for o in llm.generate(np.array([prompt, prompt]), GREEDY)] == [expected, expected]
+    session = llm.create_session(np.array(prompt[:3]))
+    session.append(np.array(prompt[3:]))
+    assert list(session.generate(GREEDY)) == expected
+    with pytest.raises(InvalidArgumentError, match="fork position"):
+        session.fork(at=True)

@@ -5,6 +5,7 @@ import torch
 
 from kiln import SamplingParams
 from kiln.engine.sampler import Sampler
+from kiln.errors import InvalidArgumentError
 
 
 @pytest.fixture
@@ -29,3 +30,30 @@ def test_a_tiny_top_p_keeps_the_likeliest_token(logits, top_p):
 def test_a_hot_temperature_still_samples_valid_ids(logits):
     chosen, logprobs = Sampler().sample(logits, [SamplingParams(temperature=100.0, seed=3, logprobs=True)] * 3, [1, 2, 3])
     assert all(0 <= token < 1000 for token in chosen) and logprobs is not None and all(lp <= 0 for lp in logprobs)
+
+
+@pytest.mark.parametrize(("overrides", "complaint"), [
+    ({"seed": 2**64}, "seed"),
+    ({"seed": 1.5}, "seed"),
+    ({"seed": True}, "seed"),
+    ({"temperature": None}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": "high"}, "top_p"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"top_k": 2.0}, "top_k"),
+    ({"stop": None}, "stop"),
+    ({"stop": [1]}, "stop"),
+    ({"stop": ["x"] * 17}, "at most 16 stop strings"),
+    ({"stop": ["x" * 257]}, "at most 16 stop strings"),
+    ({"stop_token_ids": ("a",)}, "stop_token_ids"),
+    ({"logprobs": "yes"}, "booleans"),
+])
+def test_bad_sampling_params_are_invalid_arguments(overrides, complaint):
+    with pytest.raises(InvalidArgumentError, match=complaint):
+        SamplingParams(**overrides)
+
+
+def test_edge_values_inside_the_ranges_are_accepted():
+    SamplingParams(seed=2**64 - 1, temperature=100, top_p=1e-300, stop="x", stop_token_ids=[3])
+    SamplingParams(seed=-(2**63), stop=["y" * 256] * 16)
