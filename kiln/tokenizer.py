@@ -91,10 +91,12 @@ class Tokenizer:
             raise InvalidArgumentError(
                 f"text is not valid Unicode: {error.reason} at character {error.start}"
             ) from None
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch calls release the GIL while they work (encode/decode hold it): tokenizing megabytes
+        # on a server thread must not stall the event loop and the engine.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
     @property
     def vocab_size(self) -> int:

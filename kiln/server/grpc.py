@@ -1,9 +1,10 @@
 """gRPC transport: the `kiln.v1.Runtime` service of proto/kiln/v1/runtime.proto over RuntimeService.
 
 Every RPC identifies its caller from the `authorization: Bearer <key>` metadata (the identity scopes
-sessions), calls the service, and answers a KilnError with the gRPC status of the same name; any other
-exception is a bug: INTERNAL, logged. Each call is counted as `grpc/<Method>` with its status. A failed
-call touches nothing but itself, so the server keeps serving everyone else.
+sessions), parses its request (malformed bytes are INVALID_ARGUMENT), calls the service, and answers a
+KilnError with the gRPC status of the same name; any other exception is a bug: INTERNAL, logged. Each
+call is counted as `grpc/<Method>` with its status. A failed call touches nothing but itself, and unary
+calls run the service on a worker thread, so the server keeps serving everyone else.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from dataclasses import asdict
 from typing import Any
 
 import grpc
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.message_factory import GetMessageClass
 
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError, KilnError
@@ -30,6 +32,10 @@ from kiln.v1 import runtime_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# A client whose deadline passes cancels the call itself, often a few ms before the server's copy of the
+# deadline (sent as a timeout, so shifted by the request's transit) runs out: a cancel this close to the
+# deadline is counted as DEADLINE_EXCEEDED.
+DEADLINE_SLACK_S = 0.05
 MAX_SESSION_ID_CHARS = 128  # issued ids are 22 characters; anything this long is not one of ours
 FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
@@ -38,6 +44,9 @@ FINISH_REASONS = {
 }
 SERVING_STATUSES = {"serving": pb.SERVING_STATUS_SERVING, "shutting_down": pb.SERVING_STATUS_SHUTTING_DOWN,
                     "engine_failed": pb.SERVING_STATUS_ENGINE_FAILED}
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Runtime"]
+REQUEST_TYPES = {method.name: GetMessageClass(method.input_type) for method in SERVICE.methods}
 
 Handler = Callable[["RuntimeServicer", Any, str | None], Message]  # (servicer, request, owner) -> response
 
@@ -49,18 +58,41 @@ def build_grpc_server(service: RuntimeService, keys: ApiKeys, metrics: Metrics, 
     fails (gRPC would otherwise share it via SO_REUSEPORT and split the traffic between servers). A
     larger request message is refused by gRPC itself with RESOURCE_EXHAUSTED."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_request_bytes)])
-    runtime_pb2_grpc.add_RuntimeServicer_to_server(RuntimeServicer(service, keys, metrics), server)
+    handlers = _method_handlers(RuntimeServicer(service, keys, metrics))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+    server.add_registered_method_handlers(SERVICE.full_name, handlers)
     server.add_insecure_port(address)
     return server
 
 
+def _method_handlers(servicer: RuntimeServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The generated registration's handlers, except that each method receives its request as raw bytes:
+    gRPC's own deserializer would answer a malformed message with UNKNOWN before Kiln sees the call
+    (unauthenticated, uncounted), so the servicer parses it inside its call frame instead."""
+    handlers = {}
+    for method in SERVICE.methods:
+        kind = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        serialize = GetMessageClass(method.output_type).SerializeToString
+        handlers[method.name] = kind(getattr(servicer, method.name), response_serializer=serialize)
+    return handlers
+
+
+def _parse(method: str, request: bytes) -> Message:
+    try:
+        return REQUEST_TYPES[method].FromString(request)
+    except DecodeError:
+        raise InvalidArgumentError("malformed request message") from None
+
+
 def _unary(handler: Handler) -> Callable[..., Awaitable[Message]]:
     """Turns `handler(servicer, request, owner) -> response` into a unary RPC method that authenticates,
-    maps errors to statuses and records the call."""
+    parses the request, maps errors to statuses and records the call. The handler runs on a worker
+    thread: the service's calls may tokenize megabytes or wait for the engine's lock, and the event
+    loop must keep serving every other call meanwhile."""
 
-    async def rpc(self: RuntimeServicer, request: Message, context: grpc.aio.ServicerContext) -> Message:
+    async def rpc(self: RuntimeServicer, request: bytes, context: grpc.aio.ServicerContext) -> Message:
         async with self.call(handler.__name__, context) as owner:
-            return handler(self, request, owner)
+            return await asyncio.to_thread(handler, self, _parse(handler.__name__, request), owner)
 
     rpc.__name__ = rpc.__qualname__ = handler.__name__
     rpc.__doc__ = handler.__doc__
@@ -86,8 +118,10 @@ class RuntimeServicer(runtime_pb2_grpc.RuntimeServicer):
         except KilnError as error:
             status = grpc.StatusCode[error.code]
             await context.abort(status, str(error))
-        except asyncio.CancelledError:  # the client cancelled or went away
-            status = grpc.StatusCode.CANCELLED
+        except asyncio.CancelledError:  # the deadline passed, or the client cancelled or went away
+            remaining = context.time_remaining()  # None: the call has no deadline
+            expired = remaining is not None and remaining <= DEADLINE_SLACK_S
+            status = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
         except Exception:
             status = grpc.StatusCode.INTERNAL
@@ -137,12 +171,13 @@ class RuntimeServicer(runtime_pb2_grpc.RuntimeServicer):
         health = self.service.health()
         return pb.HealthResponse(**{**health, "status": SERVING_STATUSES[health["status"]]})
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    async def Generate(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
         """Initial metadata once the generation is accepted, token chunks as they commit, one Finish.
         However the call ends (done, failed, cancelled by the client), the generation is stopped so
-        the session is free for the next one."""
+        the session is free for the next one. Starts on the loop: the stream belongs to it."""
         async with self.call("Generate", context) as owner:
-            stream = self.service.generate(owner, _session_id(request), _generate_request(request))
+            message = _parse("Generate", request)
+            stream = self.service.generate(owner, _session_id(message), _generate_request(message))
             try:
                 await context.send_initial_metadata(())
                 async with contextlib.aclosing(token_batches(stream)) as batches:

@@ -21,10 +21,10 @@ from pydantic import (
     model_validator,
 )
 
+from kiln.engine.sampler import SEED_RANGE
 from kiln.server.service import GenerateRequest
 
 MAX_PROMPTS = 32  # prompts in one /v1/completions request
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 TokenIds = list[int]
 

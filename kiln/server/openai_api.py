@@ -14,11 +14,12 @@ import functools
 import itertools
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from kiln.client.chat import from_openai_messages, tokens_for_chat
 from kiln.engine.stream import AsyncGenerationStream
@@ -130,12 +131,12 @@ class OpenAIRoutes:
         return router
 
     async def completions(self, body: CompletionBody, request: Request) -> Response:
-        prompts = [self._prompt_ids(prompt) for prompt in body.prompts()]
-        return await self._reply(request, body, COMPLETION, prompts)
+        return await self._reply(request, body, COMPLETION,
+                                 lambda: [self._prompt_ids(prompt) for prompt in body.prompts()])
 
     async def chat_completions(self, body: ChatBody, request: Request) -> Response:
-        prompt = tokens_for_chat(from_openai_messages(body.messages), self.tokenizer)
-        return await self._reply(request, body, CHAT, [prompt])
+        return await self._reply(request, body, CHAT,
+                                 lambda: [tokens_for_chat(from_openai_messages(body.messages), self.tokenizer)])
 
     async def models(self) -> dict:
         model = {"id": self.service.model_name, "object": "model", "created": self.created, "owned_by": "kiln",
@@ -146,9 +147,14 @@ class OpenAIRoutes:
         """Text prompts are encoded with the model's BOS, as the model expects a document to start."""
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
-    async def _reply(self, request: Request, body: OpenAIBody, shape: _Shape, prompts: Sequence[list[int]]) -> Response:
+    async def _reply(self, request: Request, body: OpenAIBody, shape: _Shape,
+                     prompts_of: Callable[[], Sequence[list[int]]]) -> Response:
+        """`prompts_of()` renders and tokenizes the prompts on a worker thread (megabytes of text, a chat
+        template): the event loop keeps serving everyone else. The generations start on the loop, which
+        their streams belong to."""
         if body.model not in (None, MODEL_ALIAS, self.service.model_name):
             raise NotFoundError(f"model {body.model!r} is not served here; this server serves {self.service.model_name!r}")
+        prompts = await run_in_threadpool(prompts_of)
         generate = body.generate_request()
         streams = start_all([functools.partial(self.service.complete, prompt, generate) for prompt in prompts])
         reply = _Reply(shape, self.tokenizer, shape.id_prefix + secrets.token_hex(12), int(time.time()),

@@ -14,6 +14,11 @@
 
 Bodies whose fields all have defaults may be left out. Every session call passes the caller's
 identity as owner: another key's session is NOT_FOUND, exactly like one that never existed.
+
+Every route but generate is a plain function, which FastAPI runs on its thread pool: the service may
+tokenize megabytes or wait for the engine's lock, and the event loop must keep serving everyone else.
+Generate stays on the loop, which its stream belongs to. Token lists leave as a JSONResponse, rendered
+on that thread too: a returned dict is encoded by FastAPI on the loop, about 1.5 s per million ids.
 """
 
 from __future__ import annotations
@@ -64,26 +69,26 @@ class SessionRoutes:
             router.add_api_route(path, endpoint, methods=[method], status_code=status)
         return router
 
-    async def create(self, owner: Owner, body: CreateSessionBody = _EMPTY_CREATE) -> dict:
+    def create(self, owner: Owner, body: CreateSessionBody = _EMPTY_CREATE) -> dict:
         return session_json(self.service.create_session(owner, body.token_ids, body.ttl_s))
 
-    async def list_sessions(self, owner: Owner) -> dict:
+    def list_sessions(self, owner: Owner) -> dict:
         return {"object": "list", "data": [session_json(info) for info in self.service.list_sessions(owner)]}
 
-    async def info(self, session_id: str, owner: Owner) -> dict:
+    def info(self, session_id: str, owner: Owner) -> dict:
         return session_json(self.service.info(owner, session_id))
 
-    async def close(self, session_id: str, owner: Owner) -> dict:
+    def close(self, session_id: str, owner: Owner) -> dict:
         self.service.close(owner, session_id)
         return {"session_id": session_id, "deleted": True}
 
-    async def history(self, session_id: str, owner: Owner) -> dict:
-        return {"session_id": session_id, "token_ids": self.service.history(owner, session_id)}
+    def history(self, session_id: str, owner: Owner) -> JSONResponse:
+        return JSONResponse({"session_id": session_id, "token_ids": self.service.history(owner, session_id)})
 
-    async def append(self, session_id: str, body: AppendBody, owner: Owner) -> dict:
+    def append(self, session_id: str, body: AppendBody, owner: Owner) -> dict:
         return session_json(self.service.append(owner, session_id, body.token_ids))
 
-    async def fork(self, session_id: str, owner: Owner, body: ForkBody = _EMPTY_FORK) -> dict:
+    def fork(self, session_id: str, owner: Owner, body: ForkBody = _EMPTY_FORK) -> dict:
         return session_json(self.service.fork(owner, session_id, body.at))
 
     async def generate(self, session_id: str, owner: Owner, request: Request,
@@ -95,10 +100,10 @@ class SessionRoutes:
                                            [stream])
         return JSONResponse(_result_json(session_id, output))
 
-    async def tokenize(self, body: TokenizeBody) -> dict:
-        return {"token_ids": self.service.tokenize(body.text, body.add_special_tokens)}
+    def tokenize(self, body: TokenizeBody) -> JSONResponse:
+        return JSONResponse({"token_ids": self.service.tokenize(body.text, body.add_special_tokens)})
 
-    async def detokenize(self, body: DetokenizeBody) -> dict:
+    def detokenize(self, body: DetokenizeBody) -> dict:
         return {"text": self.service.detokenize(body.token_ids, body.skip_special_tokens)}
 
     async def _events(self, stream: AsyncGenerationStream, stop: tuple[str, ...]) -> AsyncIterator[dict]:

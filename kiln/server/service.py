@@ -61,9 +61,6 @@ class RuntimeService:
             raise InvalidArgumentError(
                 f"max_tokens {max_tokens} exceeds the model's context of {self.llm.engine.max_model_len}"
             )
-        stop_ids = self.llm.engine.validate_tokens(list(request.stop_token_ids))
-        if len(request.stop) > 16 or any(len(s) > 256 for s in request.stop):
-            raise InvalidArgumentError("at most 16 stop strings of at most 256 characters")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=0.0 if request.temperature is None else request.temperature,
@@ -71,7 +68,7 @@ class RuntimeService:
             top_k=request.top_k or 0,
             seed=request.seed,
             stop=tuple(request.stop),
-            stop_token_ids=tuple(stop_ids),
+            stop_token_ids=tuple(request.stop_token_ids),  # checked against the vocabulary on submit
             ignore_eos=request.ignore_eos,
             logprobs=request.logprobs,
         )

@@ -116,3 +116,20 @@ def tiny_server(server_factory) -> ServerHandle:
 @pytest.fixture(scope="session")
 def auth_server(server_factory) -> ServerHandle:
     return server_factory(api_keys=("key-a", "key-b"))
+
+
+def held_until_released(monkeypatch, target: object, name: str) -> tuple[threading.Event, threading.Event]:
+    """Replaces `target.name` with a call that signals `entered`, then waits for `release` before doing
+    the real work. A call never released within 10 s fails (rather than hanging a server that blocks
+    its event loop on it, where nothing else can run to release it)."""
+    entered, release = threading.Event(), threading.Event()
+    real = getattr(target, name)
+
+    def held(*args: object, **kwargs: object) -> object:
+        entered.set()
+        if not release.wait(timeout=10):
+            raise TimeoutError(f"{name} was never released")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, held)
+    return entered, release

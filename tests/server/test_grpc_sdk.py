@@ -8,9 +8,11 @@ import inspect
 import random
 import re
 import threading
+import time
 import urllib.request
 from types import SimpleNamespace
 
+import grpc
 import pytest
 
 from kiln.client import (
@@ -29,8 +31,10 @@ from kiln.server.auth import ApiKeys
 from kiln.server.grpc import build_grpc_server, token_batches
 from kiln.server.metrics import Metrics
 from kiln.server.service import GenerateRequest, RuntimeService
+from kiln.v1 import runtime_pb2 as pb
+from kiln.v1 import runtime_pb2_grpc
 from tests.conftest import byte_tokenizer
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, held_until_released
 
 LONG = 400  # max_tokens of a generation that is still running when a test interrupts it
 
@@ -350,3 +354,72 @@ def test_a_second_server_cannot_take_a_bound_port(inprocess):
 def test_unreachable_server_is_unavailable():
     with Client(f"127.0.0.1:{free_port()}") as client, pytest.raises(UnavailableError):
         client.health()
+
+
+def test_a_long_unary_call_leaves_the_loop_serving_everyone_else(inprocess, monkeypatch):
+    entered, release = held_until_released(monkeypatch, inprocess.service, "tokenize")
+    text = "héllo wörld " * 250_000  # 3.5 MB, under the 4 MiB message limit
+    with grpc.insecure_channel(inprocess.address) as channel:
+        stub = runtime_pb2_grpc.RuntimeStub(channel)
+        tokenize = stub.Tokenize.future(pb.TokenizeRequest(text=text), timeout=60)
+        try:
+            assert entered.wait(timeout=30)
+            health = stub.Health(pb.HealthRequest(), timeout=30)
+            answered_meanwhile = not tokenize.done()
+        finally:
+            release.set()
+        assert answered_meanwhile and health.status == pb.SERVING_STATUS_SERVING
+        assert len(tokenize.result().token_ids) == len(text.encode())
+
+
+def test_malformed_request_bytes_are_invalid_argument_after_authentication(auth_server):
+    """Raw bytes that are no request of the method (invalid UTF-8 in a string, a truncated field,
+    garbage) are the caller's error, counted like any other, and only once the caller is known."""
+    key = (("authorization", "Bearer key-a"),)
+    calls = [("Tokenize", b"\x0a\x02\xff\xfe", False), ("Health", b"\xff\xff\xff\xff", False),
+             ("CreateSession", bytes(range(256)), False), ("Generate", b"\x0a\x10abc", True)]
+    before = {method: metric(auth_server, f"grpc/{method}", "INVALID_ARGUMENT") for method, _, _ in calls}
+    with grpc.insecure_channel(auth_server.grpc_address) as channel:
+        for method, payload, streaming in calls:
+            path = f"/kiln.v1.Runtime/{method}"
+            call = channel.unary_stream(path) if streaming else channel.unary_unary(path)  # bytes in, bytes out
+            for metadata, code in ((None, grpc.StatusCode.UNAUTHENTICATED), (key, grpc.StatusCode.INVALID_ARGUMENT)):
+                with pytest.raises(grpc.RpcError) as error:
+                    reply = call(payload, metadata=metadata, timeout=30)
+                    if streaming:
+                        next(reply)
+                assert error.value.code() == code, (method, error.value.details())
+            assert error.value.details() == "malformed request message"
+    for method, _, _ in calls:
+        assert metric(auth_server, f"grpc/{method}", "INVALID_ARGUMENT") == before[method] + 1
+
+
+def test_a_passed_deadline_is_counted_as_deadline_exceeded_and_a_cancel_as_cancelled(inprocess, monkeypatch):
+    entered, release = held_until_released(monkeypatch, inprocess.service, "list_sessions")
+    route = "grpc/ListSessions"
+    with grpc.insecure_channel(inprocess.address) as channel:
+        list_sessions = runtime_pb2_grpc.RuntimeStub(channel).ListSessions
+        with pytest.raises(grpc.RpcError) as late:
+            list_sessions(pb.ListSessionsRequest(), timeout=0.2)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and entered.is_set()
+        assert metric_in(counted(inprocess.metrics, route, "DEADLINE_EXCEEDED"), route, "CANCELLED") == 0
+        entered.clear()
+        cancelled = list_sessions.future(pb.ListSessionsRequest(), timeout=60)
+        assert entered.wait(timeout=30)
+        cancelled.cancel()
+        try:
+            rendered = counted(inprocess.metrics, route, "CANCELLED")
+        finally:
+            release.set()
+    assert metric_in(rendered, route, "DEADLINE_EXCEEDED") == 1 and metric_in(rendered, route, "CANCELLED") == 1
+
+
+def counted(metrics: Metrics, route: str, status: str) -> str:
+    """The rendered metrics once `route` has a `status` sample: a call that ends while its handler
+    still runs is counted when the server notices, soon after the client gave up."""
+    for _ in range(300):
+        rendered = metrics.render().decode()
+        if metric_in(rendered, route, status):
+            return rendered
+        time.sleep(0.01)
+    raise AssertionError(f"{route} never counted {status}:\n{rendered}")

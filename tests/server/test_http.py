@@ -9,6 +9,7 @@ import re
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -23,6 +24,7 @@ from kiln.server.auth import ApiKeys
 from kiln.server.http import build_http_app
 from kiln.server.metrics import Metrics
 from kiln.server.service import RuntimeService
+from tests.server.conftest import held_until_released
 
 TIMEOUT = 60.0
 LONG = {"max_tokens": 500, "ignore_eos": True}  # long enough to still be running when the client leaves
@@ -398,3 +400,26 @@ def test_oversized_bodies_are_refused_before_they_are_read(tiny_llm):
     assert http.post("/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 1}).status_code == 200
     refused = scrape(http)[("kiln_requests_total", (("route", "http/v1/completions"), ("status", "RESOURCE_EXHAUSTED")))]
     assert refused == 2
+
+
+@pytest.mark.parametrize(("path", "body", "held"), [
+    ("/v1/tokenize", {"text": "héllo " * 150_000}, "encode"),
+    ("/v1/completions", {"prompt": "hello", "max_tokens": 1}, "encode"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, "encode"),
+    ("/v1/sessions", {"token_ids": [1, 2]}, "create_session"),
+])
+def test_a_slow_route_leaves_the_loop_serving_everyone_else(tiny_llm, monkeypatch, path, body, held):
+    """Tokenizing (a prompt, a chat, megabytes of text) and session calls run off the event loop."""
+    service = RuntimeService(tiny_llm("llama"), "tiny")
+    target = service.llm.tokenizer if held == "encode" else service
+    entered, release = held_until_released(monkeypatch, target, held)
+    with TestClient(build_http_app(service, ApiKeys(), Metrics(service.llm))) as http, ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(http.post, path, json=body)
+        try:
+            assert entered.wait(timeout=30)
+            health = http.get("/healthz")
+            answered_meanwhile = not slow.done()
+        finally:
+            release.set()
+        assert answered_meanwhile and health.status_code == 200
+        assert slow.result().status_code in (200, 201), slow.result().text
