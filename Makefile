@@ -31,7 +31,7 @@ bench: setup
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/long_session.py
 
-proto: setup  ## regenerate the checked-in gRPC stubs from proto/kiln/v1/runtime.proto
+proto: setup  ## regenerate the checked-in message module from proto/kiln/v1/runtime.proto
 	$(BIN)/python proto/generate.py
 
 lint: setup

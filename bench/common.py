@@ -85,6 +85,14 @@ def load_reference():  # noqa: ANN201 - kiln.models.loader.LoadedModel, imported
     return load_model()
 
 
+def start(peers: str) -> tuple[list[str], dict[str, Any], Any]:
+    """What every benchmark does first: the same threads for every system, a warning when the machine is
+    busy, then (systems to run, machine description, the embedded model's weights)."""
+    set_threads()
+    warn_if_busy()
+    return parse_systems(peers), machine_info(), load_reference()
+
+
 def random_ids(count: int, seed: int) -> list[int]:
     """`count` seeded token ids from TEXT_ID_RANGE, as Python ints (Kiln validates the type)."""
     generator = torch.Generator().manual_seed(seed)

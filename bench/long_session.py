@@ -386,11 +386,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    common.set_threads()
-    common.warn_if_busy()
-    systems = common.parse_systems(args.peers)
-    machine = common.machine_info()
-    loaded = common.load_reference()
+    systems, machine, loaded = common.start(args.peers)
     turns = scripted_turns(loaded, args.turns, args.new_tokens, args.seed)
     warm_ids = [loaded.config.bos_token_id, *common.random_ids(64, seed=args.seed + 1)]
     max_tokens = sum(map(len, turns)) + args.turns * args.gen_tokens + 64

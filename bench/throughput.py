@@ -235,11 +235,7 @@ def _ints(text: str) -> list[int]:
 
 def main() -> None:
     args = parse_args()
-    common.set_threads()
-    common.warn_if_busy()
-    systems = common.parse_systems(args.peers)
-    machine = common.machine_info()
-    loaded = common.load_reference()
+    systems, machine, loaded = common.start(args.peers)
     results: dict[str, Any] = {}
     for name in systems:
         reason = common.missing_reason(name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import grpc
@@ -19,8 +20,8 @@ import grpc.aio
 
 from kiln.errors import NotFoundError
 from kiln.results import GenerationResult, SessionInfo
+from kiln.v1 import rpc
 from kiln.v1 import runtime_pb2 as pb
-from kiln.v1 import runtime_pb2_grpc
 
 from . import wire
 from .errors import error_for, require_open, typed_errors
@@ -38,7 +39,7 @@ class AsyncClient:
         self.tokenizer = opt_in(tokenizer)
         self._metadata = wire.auth_metadata(api_key)
         self._channel = grpc.aio.insecure_channel(address)
-        self._open_stub: runtime_pb2_grpc.RuntimeStub | None = runtime_pb2_grpc.RuntimeStub(self._channel)
+        self._open_stub: SimpleNamespace | None = rpc.stub(self._channel)
 
     async def create_session(self, tokens: Iterable[int] | None = None, ttl_s: float | None = None) -> AsyncSession:
         """A new session with an optional initial history and idle TTL (seconds; None: the server's)."""
@@ -76,7 +77,7 @@ class AsyncClient:
         await self._channel.close()
 
     @property
-    def _stub(self) -> runtime_pb2_grpc.RuntimeStub:
+    def _stub(self) -> SimpleNamespace:
         return require_open(self._open_stub)
 
     async def __aenter__(self) -> AsyncClient:

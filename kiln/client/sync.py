@@ -14,14 +14,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import grpc
 
 from kiln.errors import NotFoundError
 from kiln.results import GenerationResult, SessionInfo
+from kiln.v1 import rpc
 from kiln.v1 import runtime_pb2 as pb
-from kiln.v1 import runtime_pb2_grpc
 
 from . import wire
 from .errors import error_for, require_open, typed_errors
@@ -41,7 +42,7 @@ class Client:
         self.tokenizer = opt_in(tokenizer)
         self._metadata = wire.auth_metadata(api_key)
         self._channel = grpc.insecure_channel(address)
-        self._open_stub: runtime_pb2_grpc.RuntimeStub | None = runtime_pb2_grpc.RuntimeStub(self._channel)
+        self._open_stub: SimpleNamespace | None = rpc.stub(self._channel)
 
     def create_session(self, tokens: Iterable[int] | None = None, ttl_s: float | None = None) -> Session:
         """A new session with an optional initial history and idle TTL (seconds; None: the server's)."""
@@ -78,7 +79,7 @@ class Client:
         self._channel.close()
 
     @property
-    def _stub(self) -> runtime_pb2_grpc.RuntimeStub:
+    def _stub(self) -> SimpleNamespace:
         return require_open(self._open_stub)
 
     def __enter__(self) -> Client:

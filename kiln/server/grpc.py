@@ -19,7 +19,6 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
-from google.protobuf.message_factory import GetMessageClass
 
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError, KilnError
@@ -27,8 +26,8 @@ from kiln.results import GenerationResult, SessionInfo
 from kiln.server.auth import ApiKeys
 from kiln.server.metrics import Metrics
 from kiln.server.service import MAX_REQUEST_BYTES, GenerateRequest, RuntimeService
+from kiln.v1 import rpc
 from kiln.v1 import runtime_pb2 as pb
-from kiln.v1 import runtime_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +44,6 @@ FINISH_REASONS = {
 SERVING_STATUSES = {"serving": pb.SERVING_STATUS_SERVING, "shutting_down": pb.SERVING_STATUS_SHUTTING_DOWN,
                     "engine_failed": pb.SERVING_STATUS_ENGINE_FAILED}
 
-SERVICE = pb.DESCRIPTOR.services_by_name["Runtime"]
-REQUEST_TYPES = {method.name: GetMessageClass(method.input_type) for method in SERVICE.methods}
-
 Handler = Callable[["RuntimeServicer", Any, str | None], Message]  # (servicer, request, owner) -> response
 
 
@@ -59,27 +55,25 @@ def build_grpc_server(service: RuntimeService, keys: ApiKeys, metrics: Metrics, 
     larger request message is refused by gRPC itself with RESOURCE_EXHAUSTED."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_request_bytes)])
     handlers = _method_handlers(RuntimeServicer(service, keys, metrics))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
-    server.add_registered_method_handlers(SERVICE.full_name, handlers)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(rpc.SERVICE.full_name, handlers),))
     server.add_insecure_port(address)
     return server
 
 
 def _method_handlers(servicer: RuntimeServicer) -> dict[str, grpc.RpcMethodHandler]:
-    """The generated registration's handlers, except that each method receives its request as raw bytes:
-    gRPC's own deserializer would answer a malformed message with UNKNOWN before Kiln sees the call
+    """One handler per method of the proto. Each receives its request as raw bytes: gRPC's own
+    deserializer would answer a malformed message with UNKNOWN before Kiln sees the call
     (unauthenticated, uncounted), so the servicer parses it inside its call frame instead."""
     handlers = {}
-    for method in SERVICE.methods:
+    for name, method in rpc.METHODS.items():
         kind = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
-        serialize = GetMessageClass(method.output_type).SerializeToString
-        handlers[method.name] = kind(getattr(servicer, method.name), response_serializer=serialize)
+        handlers[name] = kind(getattr(servicer, name), response_serializer=rpc.response_type(name).SerializeToString)
     return handlers
 
 
 def _parse(method: str, request: bytes) -> Message:
     try:
-        return REQUEST_TYPES[method].FromString(request)
+        return rpc.request_type(method).FromString(request)
     except DecodeError:
         raise InvalidArgumentError("malformed request message") from None
 
@@ -99,7 +93,7 @@ def _unary(handler: Handler) -> Callable[..., Awaitable[Message]]:
     return rpc
 
 
-class RuntimeServicer(runtime_pb2_grpc.RuntimeServicer):
+class RuntimeServicer:
     """The proto's RPCs, each a translation between messages and RuntimeService calls."""
 
     def __init__(self, service: RuntimeService, keys: ApiKeys, metrics: Metrics) -> None:

@@ -31,8 +31,8 @@ from kiln.server.auth import ApiKeys
 from kiln.server.grpc import build_grpc_server, token_batches
 from kiln.server.metrics import Metrics
 from kiln.server.service import GenerateRequest, RuntimeService
+from kiln.v1 import rpc
 from kiln.v1 import runtime_pb2 as pb
-from kiln.v1 import runtime_pb2_grpc
 from tests.conftest import byte_tokenizer
 from tests.server.conftest import free_port, held_until_released
 
@@ -360,7 +360,7 @@ def test_a_long_unary_call_leaves_the_loop_serving_everyone_else(inprocess, monk
     entered, release = held_until_released(monkeypatch, inprocess.service, "tokenize")
     text = "héllo wörld " * 250_000  # 3.5 MB, under the 4 MiB message limit
     with grpc.insecure_channel(inprocess.address) as channel:
-        stub = runtime_pb2_grpc.RuntimeStub(channel)
+        stub = rpc.stub(channel)
         tokenize = stub.Tokenize.future(pb.TokenizeRequest(text=text), timeout=60)
         try:
             assert entered.wait(timeout=30)
@@ -398,7 +398,7 @@ def test_a_passed_deadline_is_counted_as_deadline_exceeded_and_a_cancel_as_cance
     entered, release = held_until_released(monkeypatch, inprocess.service, "list_sessions")
     route = "grpc/ListSessions"
     with grpc.insecure_channel(inprocess.address) as channel:
-        list_sessions = runtime_pb2_grpc.RuntimeStub(channel).ListSessions
+        list_sessions = rpc.stub(channel).ListSessions
         with pytest.raises(grpc.RpcError) as late:
             list_sessions(pb.ListSessionsRequest(), timeout=0.2)
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and entered.is_set()
