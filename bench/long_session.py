@@ -120,7 +120,7 @@ class KilnRunner:
     def notes(self) -> dict[str, Any]:
         info = self.session.info()
         return {
-            "kv_bytes_per_token_all_layers": self.llm.kv_bytes_per_token,
+            "kv_bytes_per_token_all_layers": self.llm.engine.kv_bytes_per_token,
             "resident_kv_bytes_at_end": info.resident_kv_bytes,
             "resident_kv_bytes_per_history_token_at_end": info.resident_kv_bytes / max(info.history_tokens, 1),
             "engine_config": {k: v for k, v in asdict(self.llm.config).items() if k != "model"},

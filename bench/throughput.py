@@ -50,7 +50,7 @@ class KilnSystem:
     def notes(self) -> dict[str, Any]:
         config = asdict(self.llm.config)
         config.pop("model")
-        return {"kv_bytes_per_token": self.llm.kv_bytes_per_token, "kv_bytes_how": "LLM.kv_bytes_per_token", "engine_config": config}
+        return {"kv_bytes_per_token": self.llm.engine.kv_bytes_per_token, "kv_bytes_how": "Engine.kv_bytes_per_token", "engine_config": config}
 
     def close(self) -> None:
         self.llm.close()

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kiln.client.chat import reply_prefix, turn_closer, turn_text
-from kiln.client.text import TextDeltas
+from kiln.chat import reply_prefix, turn_closer, turn_text
 from kiln.engine.sampler import SamplingParams
 from kiln.errors import KilnError
 from kiln.llm import LLM
 from kiln.server.service import MAX_REQUEST_BYTES
+from kiln.text import TextDeltas
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:

@@ -9,17 +9,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
-from kiln.client.text import TextDeltas
 from kiln.config import EngineConfig
 from kiln.engine.engine import Engine
 from kiln.engine.sampler import SamplingParams
-from kiln.engine.sequence import Sequence
 from kiln.engine.stream import BaseStream, GenerationStream
 from kiln.errors import InvalidArgumentError
-from kiln.kv.pages import PageTable
 from kiln.models.loader import LoadedModel, load_model
 from kiln.results import SessionInfo, Usage
 from kiln.sessions import SessionStore
+from kiln.text import TextDeltas
 from kiln.tokenizer import Tokenizer
 
 S = TypeVar("S", bound=BaseStream)
@@ -50,11 +48,6 @@ class LLM:
     def tokenizer(self) -> Tokenizer:
         return self.loaded.tokenizer
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV bytes one token costs while every layer keeps it (sliding-window layers later release it)."""
-        return self.engine.cache.layout.bytes_per_token(self.engine.cache.pool.k.element_size())
-
     def generate(
         self, prompts: str | Seq[int] | Seq[str | Seq[int]], params: SamplingParams | None = None, **overrides: object
     ) -> list[RequestOutput]:
@@ -70,8 +63,7 @@ class LLM:
 
     def start(self, token_ids: Seq[int], params: SamplingParams, stream: S) -> S:
         """Start one stateless generation (prefix-cached, released when done) streaming into `stream`."""
-        seq = Sequence(self.engine.validate_tokens(token_ids), PageTable.empty(self.engine.cache.layout.num_groups))
-        stream.request = self.engine.submit(seq, params, stream.emit, keep_pages=False)
+        stream.request = self.engine.submit(self.engine.new_sequence(token_ids, session=False), params, stream.emit)
         return stream
 
     def _output(self, prompt: list[int], stream: GenerationStream) -> RequestOutput:

@@ -2,14 +2,20 @@
 
 Each session owns one Sequence. Appends add tokens only; a generate prefills just the tokens whose K/V
 is missing and its output joins the history. Sessions are visible only to the owner that created them
-(an API key, or None in process): to anyone else a session does not exist. Idle sessions are evicted by
-TTL and, under session-count or page pressure, least recently used first; every eviction is counted by
-reason. Invariants are checked after every mutation; a violation fails that session only.
+(an API key, or None in process): to anyone else a session does not exist. A session ends only by
+close, its idle TTL or the `max_sessions` cap (least recently used first), each counted by reason.
+Memory pressure never ends one: the engine may drop an idle session's K/V, never its history, and the
+next turn recomputes what is missing. Invariants are checked after every mutation; a violation fails
+that session only.
+
+The store has its own lock, held for session bookkeeping only; pages belong to the engine, reached
+through its session-facing operations (lock order: store, then engine).
 """
 
 from __future__ import annotations
 
 import secrets
+import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -26,7 +32,6 @@ from kiln.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
-from kiln.kv.pages import PageTable
 from kiln.results import SessionInfo, Usage
 
 MIN_TTL_S = 1.0  # shorter, a session could expire before its creator's next call
@@ -60,11 +65,7 @@ class SessionStore:
         self.evictions: Counter[str] = Counter()
         self.outcomes: Counter[str] = Counter()  # created / closed / evicted / failed
         self.invariant_violations: Counter[str] = Counter()
-        engine.add_reclaimer(self._evict_for_pages)
-
-    @property
-    def lock(self):  # noqa: ANN201 - the engine's RLock guards sessions and pages together
-        return self.engine.lock
+        self.lock = threading.RLock()
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -78,8 +79,7 @@ class SessionStore:
             while len(self._sessions) >= self.max_sessions:
                 if not self._evict_lru("lru"):
                     raise ResourceExhaustedError(f"{self.max_sessions} sessions are live and none is idle")
-            session = self._add(Sequence(ids, PageTable.empty(self.engine.cache.layout.num_groups)), ttl, owner)
-            return session.session_id
+            return self._add(self.engine.new_sequence(ids, session=True), ttl, owner).session_id
 
     def fork(self, session_id: str, at: int | None = None, owner: str | None = None) -> str:
         """A new session whose history is the first `at` tokens (default: all) of this one; it shares
@@ -93,12 +93,8 @@ class SessionStore:
             while len(self._sessions) >= self.max_sessions:
                 if not self._evict_lru("lru", keep=parent):
                     raise ResourceExhaustedError(f"{self.max_sessions} sessions are live and none is idle")
-            seq = Sequence(parent.seq.tokens[:at], PageTable.empty(self.engine.cache.layout.num_groups))
-            match = self.engine.cache.match(seq.tokens)
-            self.engine.cache.attach(seq.table, match)
-            seq.num_computed = match.num_tokens
             self._touch(parent)
-            return self._add(seq, parent.ttl_s, owner).session_id
+            return self._add(self.engine.fork_sequence(parent.seq, at), parent.ttl_s, owner).session_id
 
     def close(self, session_id: str, owner: str | None = None) -> None:
         with self.lock:
@@ -119,7 +115,7 @@ class SessionStore:
         with self.lock:
             session = self._get(session_id, owner, idle=True)
             self._check_length(len(session.seq.tokens) + len(ids))
-            session.seq.tokens.extend(ids)
+            self.engine.append(session.seq, ids)
             self._touch(session)
             self._check(session)
             return len(session.seq.tokens)
@@ -133,24 +129,23 @@ class SessionStore:
         with self.lock:
             session = self._get(session_id, owner, idle=True)
             stream = stream or GenerationStream(self.engine.cancel)
-            stream.request = self.engine.submit(session.seq, params, self._on_event(session, stream.emit), keep_pages=True)
+            stream.request = self.engine.submit(session.seq, params, self._on_event(session, stream.emit))
             session.active = stream.request
             self._touch(session)
             return stream
 
     def _on_event(self, session: _Session, emit: Callable[[Event], None]) -> Callable[[Event], None]:
-        def on_event(event: Event) -> None:  # engine thread, engine lock held
+        def on_event(event: Event) -> None:  # engine thread, engine lock not held
             if isinstance(event, FinishEvent):
-                session.active = None
-                session.last_usage = event.usage
-                self._touch(session)
-                if session.closed:
-                    self.engine.cache.release(session.seq.table)
-                else:
-                    try:
-                        self._check(session)
-                    except InvariantViolation as violation:
-                        event = FinishEvent("error", event.usage, error=violation)
+                with self.lock:
+                    session.active = None
+                    session.last_usage = event.usage
+                    self._touch(session)
+                    if not session.closed:
+                        try:
+                            self._check(session)
+                        except InvariantViolation as violation:
+                            event = FinishEvent("error", event.usage, error=violation)
             emit(event)
 
         return on_event
@@ -190,12 +185,9 @@ class SessionStore:
             self.outcomes["evicted"] += 1
         return len(expired)
 
-    def _evict_for_pages(self) -> bool:
-        return self._evict_lru("lru", needs_pages=True)
-
-    def _evict_lru(self, reason: str, needs_pages: bool = False, keep: _Session | None = None) -> bool:
+    def _evict_lru(self, reason: str, keep: _Session | None = None) -> bool:
         for session in self._sessions.values():
-            if session.active is None and session is not keep and (session.seq.table.resident() or not needs_pages):
+            if session.active is None and session is not keep:
                 self._end(session, f"evicted ({reason})")
                 self.evictions[reason] += 1
                 self.outcomes["evicted"] += 1
@@ -231,10 +223,9 @@ class SessionStore:
         self._ended[session.session_id] = (session.owner, why)
         while len(self._ended) > TOMBSTONES:
             self._ended.popitem(last=False)
-        if session.active is None:
-            self.engine.cache.release(session.seq.table)
-        else:
-            self.engine.cancel(session.active)  # pages are released when the engine finishes it
+        self.engine.release_sequence(session.seq)  # at once, or when its request ends
+        if session.active is not None:
+            self.engine.cancel(session.active)
 
     def _touch(self, session: _Session) -> None:
         session.last_used = self._clock()
@@ -247,7 +238,7 @@ class SessionStore:
         try:
             if len(session.seq.tokens) < session.history_mark:
                 raise InvariantViolation("inv2", f"history shrank from {session.history_mark} to {len(session.seq.tokens)}")
-            session.seq.check(self.engine.cache)
+            self.engine.check_sequence(session.seq)
         except InvariantViolation as violation:
             self.invariant_violations[violation.kind] += 1
             self.outcomes["failed"] += 1
@@ -270,13 +261,13 @@ class SessionStore:
 
     def _info(self, session: _Session) -> SessionInfo:
         usage = session.last_usage
-        pages = len(session.seq.table.resident())
+        kv = self.engine.sequence_kv(session.seq)
         return SessionInfo(
             session_id=session.session_id,
             history_tokens=len(session.seq.tokens),
-            computed_tokens=session.seq.num_computed,
-            resident_pages=pages,
-            resident_kv_bytes=pages * self.engine.cache.pool.page_bytes,
+            computed_tokens=kv.resident_tokens,
+            resident_pages=kv.resident_pages,
+            resident_kv_bytes=kv.resident_bytes,
             reused_tokens=usage.reused_tokens if usage else 0,
             last_prefill_tokens=usage.prefilled_tokens if usage else 0,
             generating=session.active is not None,

@@ -20,7 +20,7 @@ _BASE = {
     "num_heads": 4,
     "num_kv_heads": 2,
     "head_dim": 16,
-    "max_position_embeddings": 512,
+    "max_position_embeddings": 1024,  # room for prompts longer than Gemma's 512-token window
     "bos_token_id": 1,
     "eos_token_ids": (2,),
 }
@@ -66,7 +66,13 @@ TINY_CONFIGS: dict[str, ModelConfig] = {
 
 def tiny_hf_model(name: str, seed: int = 0) -> PreTrainedModel:
     """The transformers model for TINY_CONFIGS[name], fp32, eager attention, deterministic weights."""
-    hf_config = AutoConfig.for_model(**hf_config_dict(TINY_CONFIGS[name]))
+    return random_hf_model(TINY_CONFIGS[name], seed)
+
+
+def random_hf_model(config: ModelConfig, seed: int = 0) -> PreTrainedModel:
+    """The transformers model for `config`, as `tiny_hf_model`: configs that differ only in what has no
+    weights (a window, the RoPE) get the same weights for the same seed."""
+    hf_config = AutoConfig.for_model(**hf_config_dict(config))
     model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager", dtype=torch.float32)
     _randomize(model, torch.Generator().manual_seed(seed))
     return model.eval()

@@ -21,13 +21,14 @@ import grpc
 
 from kiln.errors import NotFoundError
 from kiln.results import GenerationResult, SessionInfo
+from kiln.text import TextAssembler
 from kiln.v1 import rpc
 from kiln.v1 import runtime_pb2 as pb
 
 from . import wire
 from .errors import error_for, require_open, typed_errors
 from .generation import BaseGeneration, idle_polls
-from .text import TextAssembler, decode_locally, encode_locally, opt_in, require, uses_server
+from .text import decode_locally, encode_locally, opt_in, require, uses_server
 
 R = TypeVar("R")
 

@@ -1,50 +1,54 @@
-"""Engine: the step loop (schedule -> forward -> sample -> commit) on a background thread.
+"""Engine: the step loop (schedule -> forward -> sample -> commit) on a background thread, and the narrow
+API everything outside kiln/engine and kiln/kv uses: submit, cancel, stats, and the page-facing
+operations on session sequences (new, fork, append, check, release, resident K/V).
 
-Callers submit a Request over a Sequence and get events through the request's `emit`. One lock guards
-the scheduler and page tables; it is released during the model forward, so session calls never wait
-more than the bookkeeping of a step. Finished stateless requests are released together at the start of
-the next step (batch cleanup); session sequences keep their pages.
+Lock discipline: one lock guards the scheduler, the KV cache and the sequences' page state, and is held
+only for that bookkeeping. The forward, sampling, stop-string decoding and every emit callback run
+without it, so a session call never waits longer than a step's bookkeeping, and callbacks may call back
+into the engine. A step in flight owns the page tables it read: shutdown waits for it before releasing
+anything, and an engine still alive at interpreter exit is shut down then.
 """
 
 from __future__ import annotations
 
-import hashlib
+import atexit
 import logging
 import numbers
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kiln.config import EngineConfig
-from kiln.engine.runner import ModelRunner
+from kiln.engine.runner import Chunk, ModelRunner
 from kiln.engine.sampler import Sampler, SamplingParams
 from kiln.engine.scheduler import ScheduledChunk, Scheduler
 from kiln.engine.sequence import Event, FinishEvent, Request, Sequence, TokenEvent
+from kiln.engine.stats import EngineStats
 from kiln.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
-from kiln.kv.cache import KVCache
+from kiln.kv.cache import KVCache, PoolUsage
+from kiln.kv.format import KVFormat, dtype_name
 from kiln.kv.layout import KVLayout
+from kiln.kv.pages import PageTable
 from kiln.models import build_model
 from kiln.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
-KV_POLICY = "full"
 STOP_TAIL_MARGIN = 8  # characters decoded beyond what a stop-string check strictly needs
+Finished = tuple[Request, FinishEvent]
 
 
-@dataclass
-class EngineStats:
-    """Monotonic counters (exported as metrics by the server)."""
+@dataclass(frozen=True)
+class SequenceKV:
+    """What of a sequence's K/V is resident: tokens[:resident_tokens] need no recompute."""
 
-    prefill_tokens: int = 0  # prompt tokens computed
-    reused_tokens: int = 0  # prompt tokens whose K/V was already in pages when a request started
-    prefix_hit_tokens: int = 0  # of those, tokens found through the prefix cache (not a session's own)
-    generated_tokens: int = 0
-    steps: int = 0
-    requests_by_outcome: dict[str, int] = field(default_factory=dict)
+    resident_tokens: int
+    resident_pages: int
+    resident_bytes: int
 
 
 class Engine:
@@ -57,25 +61,59 @@ class Engine:
         self.model = build_model(loaded.config, dtype=config.torch_dtype, device=config.device)
         self.model.load_weights(loaded.tensors)
         layout = KVLayout.for_model(loaded.config, config.page_size)
-        num_pages = config.kv_budget_bytes // layout.page_bytes(torch.empty(0, dtype=config.torch_kv_dtype).element_size())
+        kv_dtype = config.torch_kv_dtype
+        num_pages = config.kv_budget_bytes // layout.page_bytes(torch.empty(0, dtype=kv_dtype).element_size())
         if num_pages < layout.num_groups:
             raise InvalidArgumentError(f"kv_budget_bytes {config.kv_budget_bytes} holds fewer pages than one token needs")
-        salt = f"{loaded.fingerprint}|{config.kv_dtype or config.dtype}|{config.page_size}|{KV_POLICY}"
-        self.cache = KVCache(layout, num_pages, config.torch_kv_dtype, config.device, hashlib.sha256(salt.encode()).digest())
-        self.runner = ModelRunner(self.model, self.cache)
-        self.sampler = Sampler()
+        kv_format = KVFormat(loaded.fingerprint, dtype_name(config.torch_dtype), dtype_name(kv_dtype), "raw", config.page_size)
+        self._cache = KVCache(layout, num_pages, kv_dtype, config.device, kv_format)
+        self._runner = ModelRunner(self.model, self._cache.storage)
+        self._sampler = Sampler()
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
         self.stats = EngineStats()
-        self.lock = threading.RLock()
-        self._wake = threading.Condition(self.lock)
-        self._reclaimers: list[Callable[[], bool]] = []
+        self._lock = threading.RLock()  # reentrant: a stream collected on the engine thread cancels itself
+        self._wake = threading.Condition(self._lock)
         self._finish_observers: list[Callable[[Request, str], None]] = []
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_batched_tokens, self._reclaim)
-        self._finished: list[Request] = []
+        self._scheduler = Scheduler(self._cache, config.max_num_seqs, config.max_batched_tokens, self.stats)
+        self._finished: list[Request] = []  # stateless requests whose pages the next step releases
         self._thread: threading.Thread | None = None
         self._stopping = False
+        _live_engines.add(self)
 
-    # ---- submission -------------------------------------------------------------------------------
+    # ---- what the engine holds ----------------------------------------------------------------------
+
+    @property
+    def kv_format(self) -> KVFormat:
+        return self._cache.format
+
+    @property
+    def kv_page_bytes(self) -> int:
+        return self._cache.page_bytes
+
+    @property
+    def kv_pages(self) -> int:
+        return self._cache.num_pages
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token costs while every layer keeps it (sliding-window layers later release it)."""
+        return self._cache.layout.bytes_per_token(self._cache.storage.data.element_size())
+
+    def kv_usage(self) -> PoolUsage:
+        with self._lock:
+            return self._cache.usage()
+
+    def pending(self) -> int:
+        """Requests queued or running."""
+        with self._lock:
+            return len(self._scheduler.waiting) + len(self._scheduler.running)
+
+    @property
+    def alive(self) -> bool:
+        """False once the loop thread died: nothing would ever run a new request."""
+        return self._thread is None or self._thread.is_alive() or self._stopping
+
+    # ---- input checks -------------------------------------------------------------------------------
 
     def validate_tokens(self, token_ids: Iterable[int], what: str = "token ids") -> list[int]:
         """Token ids must be integers (Python or NumPy) inside the model's vocabulary; returns them as a
@@ -97,56 +135,16 @@ class Engine:
                 f"history of {num_tokens} tokens leaves no room in the model's context of {self.max_model_len}"
             )
         worst = self._worst_case_pages(min(num_tokens + params.max_tokens, self.max_model_len))
-        if worst > self.cache.pool.num_pages:
+        if worst > self._cache.num_pages:
             raise ResourceExhaustedError(
-                f"this request may need {worst} KV pages; the pool has {self.cache.pool.num_pages} "
+                f"this request may need {worst} KV pages; the pool has {self._cache.num_pages} "
                 f"(raise kv_budget_bytes or lower max_tokens)"
             )
-
-    def submit(self, seq: Sequence, params: SamplingParams, emit: Callable[[Event], None], keep_pages: bool) -> Request:
-        """Queue a generation over `seq` (whose tokens are its prompt/history). Raises before queueing
-        if it can never run: empty, longer than the context, or larger than the whole KV pool."""
-        self.check_request(len(seq.tokens), params)
-        stop_ids = set(self.validate_tokens(params.stop_token_ids, "stop_token_ids"))
-        if not params.ignore_eos:
-            stop_ids.update(self.tokenizer.eos_token_ids)
-        request = Request(seq, params, emit, keep_pages, frozenset(stop_ids))
-        with self._wake:
-            if self._stopping:
-                raise UnavailableError("the engine is shutting down")
-            if not self.alive:
-                raise UnavailableError("the engine loop stopped after an internal error (see the server log)")
-            self.scheduler.add(request)
-            self._ensure_thread()
-            self._wake.notify()
-        return request
-
-    @property
-    def alive(self) -> bool:
-        """False once the loop thread died: nothing would ever run a new request."""
-        return self._thread is None or self._thread.is_alive() or self._stopping
-
-    def cancel(self, request: Request) -> None:
-        request.cancelled.set()
-        with self._wake:
-            self._wake.notify()
-
-    def add_reclaimer(self, reclaim: Callable[[], bool]) -> None:
-        """Register a way to free pages under pressure (e.g. evict the LRU idle session); it returns
-        True when it freed something. Called with the engine lock held."""
-        self._reclaimers.append(reclaim)
-
-    def add_finish_observer(self, observe: Callable[[Request, str], None]) -> None:
-        """Called on the engine thread with each request and its finish reason (metrics use it)."""
-        self._finish_observers.append(observe)
-
-    def _reclaim(self) -> bool:
-        return any(reclaim() for reclaim in self._reclaimers)
 
     def _worst_case_pages(self, num_tokens: int) -> int:
         pages = -(-num_tokens // self.config.page_size)
         total = 0
-        for group in self.cache.layout.groups:
+        for group in self._cache.layout.groups:
             if group.window is None:
                 total += pages
             else:
@@ -154,7 +152,78 @@ class Engine:
                 total += min(pages, -(-span // self.config.page_size) + 1)
         return total
 
-    # ---- the loop ---------------------------------------------------------------------------------
+    # ---- sequences ----------------------------------------------------------------------------------
+
+    def new_sequence(self, token_ids: Iterable[int], session: bool) -> Sequence:
+        """A sequence over validated token ids, holding no pages yet."""
+        return Sequence(self.validate_tokens(token_ids), PageTable.empty(self._cache.layout.num_groups), session)
+
+    def fork_sequence(self, parent: Sequence, at: int) -> Sequence:
+        """A session sequence whose history is parent.tokens[:at], sharing the parent's pages."""
+        with self._lock:
+            table, computed = self._cache.fork(parent.table, parent.num_computed, parent.tokens[:at])
+            child = Sequence(parent.tokens[:at], table, session=True, num_computed=computed)
+            self._scheduler.park(child)
+            return child
+
+    def append(self, seq: Sequence, token_ids: list[int]) -> None:
+        """Extend an idle session sequence's history (validated ids); the next generate prefills them."""
+        with self._lock:
+            seq.tokens.extend(token_ids)
+            self._scheduler.park(seq)
+
+    def check_sequence(self, seq: Sequence) -> None:
+        """INV-1 on an idle sequence: its pages agree with its tokens (raises InvariantViolation)."""
+        with self._lock:
+            self._cache.check(seq.table, seq.tokens, seq.num_computed)
+
+    def sequence_kv(self, seq: Sequence) -> SequenceKV:
+        with self._lock:
+            pages = len(seq.table.resident())
+            return SequenceKV(seq.num_computed, pages, pages * self._cache.page_bytes)
+
+    def release_sequence(self, seq: Sequence) -> None:
+        """The sequence's owner is done with it: pages go back now, or when its running request ends."""
+        with self._lock:
+            seq.closed = True
+            if any(r.seq is seq for r in (*self._scheduler.waiting, *self._scheduler.running)):
+                return
+            self._scheduler.unpark(seq)
+            self._cache.release(seq.table)
+            seq.num_computed = 0
+
+    # ---- requests -----------------------------------------------------------------------------------
+
+    def submit(self, seq: Sequence, params: SamplingParams, emit: Callable[[Event], None]) -> Request:
+        """Queue a generation over `seq` (whose tokens are its prompt/history). Raises before queueing
+        if it can never run: empty, longer than the context, or larger than the whole KV pool."""
+        self.check_request(len(seq.tokens), params)
+        stop_ids = set(self.validate_tokens(params.stop_token_ids, "stop_token_ids"))
+        if not params.ignore_eos:
+            stop_ids.update(self.tokenizer.eos_token_ids)
+        request = Request(seq, params, emit, frozenset(stop_ids))
+        with self._wake:
+            if self._stopping:
+                raise UnavailableError("the engine is shutting down")
+            if not self.alive:
+                raise UnavailableError("the engine loop stopped after an internal error (see the server log)")
+            self._scheduler.add(request)
+            self._ensure_thread()
+            self._wake.notify()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Stop a generation; its finish event ("cancelled") follows from the engine thread."""
+        request.cancelled.set()
+        with self._wake:
+            self._wake.notify()
+
+    def add_finish_observer(self, observe: Callable[[Request, str], None]) -> None:
+        """Called on the engine thread, without the engine lock, with each request and its finish
+        reason (metrics use it)."""
+        self._finish_observers.append(observe)
+
+    # ---- the loop -----------------------------------------------------------------------------------
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
@@ -164,7 +233,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not (self.scheduler.has_work() or self._finished):
+                while not self._stopping and not (self._scheduler.has_work() or self._finished):
                     self._wake.wait()
                 if self._stopping:
                     return
@@ -172,65 +241,74 @@ class Engine:
                 self.step()
             except Exception as error:  # a bug in a step fails the requests in flight, never the engine
                 logger.exception("engine step failed; failing the requests in flight")
-                with self.lock:
-                    self._fail(list(self.scheduler.running) + list(self.scheduler.waiting), error)
+                with self._lock:
+                    ended = self._fail([*self._scheduler.running, *self._scheduler.waiting], error)
+                self._emit(ended)
 
     def shutdown(self) -> None:
-        """Cancel everything in flight and stop the loop thread."""
+        """Stop the loop (after the step in flight, whose forward still writes pages), then cancel
+        everything queued or running and release stateless requests' pages."""
         with self._wake:
-            for request in list(self.scheduler.running) + list(self.scheduler.waiting):
-                self.scheduler.remove(request)
-                self._finish(request, "cancelled")
-            self._release_finished()
             self._stopping = True
             self._wake.notify_all()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+        with self._lock:
+            ended = [self._finish(r, "cancelled") for r in [*self._scheduler.running, *self._scheduler.waiting]]
+            self._release_finished()
+        self._emit(ended)
+        _live_engines.discard(self)
 
     def step(self) -> None:
         """One scheduler step. Safe to call directly when no loop thread runs (tests)."""
-        with self.lock:
+        with self._lock:
             self._release_finished()
-            self._drop_cancelled()
-            chunks = self.scheduler.schedule()
-            for request, error in self.scheduler.failed:
-                self._finish(request, "error", error=error)
-            self.scheduler.failed.clear()
-            if not chunks:
-                return
-            slices = [
-                self.runner.slice_for(c.request.seq.tokens, c.request.seq.num_computed, c.num_tokens, c.request.seq.table.pages)
-                for c in chunks
-            ]
-            sampling = [i for i, c in enumerate(chunks) if c.num_tokens == c.request.seq.uncomputed]
-        try:
-            logits = self.runner.run(slices, sampling)
-        except Exception as error:  # a failed forward fails its requests, never the engine
-            with self.lock:
-                self._fail([chunk.request for chunk in chunks], error)
+            ended = self._drop_cancelled()
+            chunks = self._scheduler.schedule()
+            ended += [self._finish(r, "error", error=e) for r, e in self._scheduler.failed]
+            self._scheduler.failed.clear()
+            inputs = self._runner.prepare([Chunk(c.request.seq, c.num_tokens, int(c.samples)) for c in chunks]) if chunks else None
+        self._emit(ended)
+        if inputs is None:
             return
-        with self.lock:
-            self._commit(chunks, sampling, logits)
+        sampling = [c.request for c in chunks if c.samples]
+        try:
+            logits = self._runner.run(inputs)
+        except Exception as error:  # a failed forward fails its requests, never the engine
+            with self._lock:
+                ended = self._fail([c.request for c in chunks], error)
+            self._emit(ended)
+            return
+        with self._lock:
+            self._commit(chunks)
+        if logits is not None:
+            self._emit(self._accept_all(sampling, self._sample(logits, sampling)))
 
-    def _commit(self, chunks: list[ScheduledChunk], sampling: list[int], logits: torch.Tensor | None) -> None:
+    def _commit(self, chunks: list[ScheduledChunk]) -> None:
         self.stats.steps += 1
         for chunk in chunks:
             seq = chunk.request.seq
-            prompt_part = max(0, min(chunk.num_tokens, chunk.request.prompt_tokens - seq.num_computed))
-            self.stats.prefill_tokens += prompt_part
+            self.stats.prefill_tokens += max(0, min(chunk.num_tokens, chunk.request.prompt_tokens - seq.num_computed))
             seq.num_computed += chunk.num_tokens
-            self.cache.commit(seq.table, seq.tokens, seq.num_computed)
-        if logits is None:
-            return
-        requests = [chunks[i].request for i in sampling]
-        for request, sampled in zip(requests, self._sample(logits, requests), strict=True):
+            self._cache.commit(seq.table, seq.tokens, seq.num_computed)
+
+    def _accept_all(self, requests: list[Request], sampled: list[tuple[int, float | None] | Exception]) -> list[Finished]:
+        """Tokens join their sequences and stream out; stop conditions are checked (all without the lock:
+        a running request's tokens are the engine thread's alone). Then the finished ones end together."""
+        endings: list[tuple[Request, str, str | None]] = []
+        failures: list[tuple[Request, Exception]] = []
+        for request, result in zip(requests, sampled, strict=True):
             if request.cancelled.is_set():
-                self.scheduler.remove(request)
-                self._finish(request, "cancelled")
-            elif isinstance(sampled, Exception):
-                self._fail([request], sampled)
+                endings.append((request, "cancelled", None))
+            elif isinstance(result, Exception):
+                failures.append((request, result))
             else:
-                self._accept(request, *sampled)
+                reason, stop_string = self._accept(request, *result)
+                if reason:
+                    endings.append((request, reason, stop_string))
+        with self._lock:
+            ended = [self._finish(r, reason, stop_string) for r, reason, stop_string in endings]
+            return ended + [finished for r, error in failures for finished in self._fail([r], error)]
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, float | None] | Exception]:
         """(token, logprob or None) per request. Should sampling the batch fail (a bug), each row is
@@ -248,21 +326,18 @@ class Engine:
         return sampled
 
     def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, float | None]]:
-        token_ids, logprobs = self.sampler.sample(logits, [r.params for r in requests], [r.request_id for r in requests])
+        token_ids, logprobs = self._sampler.sample(logits, [r.params for r in requests], [r.request_id for r in requests])
         return [(token, logprobs[row] if logprobs and request.params.logprobs else None)
                 for row, (token, request) in enumerate(zip(token_ids, requests, strict=True))]
 
-    def _accept(self, request: Request, token: int, logprob: float | None) -> None:
+    def _accept(self, request: Request, token: int, logprob: float | None) -> tuple[str | None, str | None]:
         request.seq.tokens.append(token)
         request.generated.append(token)
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         self.stats.generated_tokens += 1
         request.emit(TokenEvent(token, logprob))
-        reason, stop_string = self._stop_reason(request, token)
-        if reason:
-            self.scheduler.remove(request)
-            self._finish(request, reason, stop_string=stop_string)
+        return self._stop_reason(request, token)
 
     def _stop_reason(self, request: Request, token: int) -> tuple[str | None, str | None]:
         params = request.params
@@ -288,34 +363,53 @@ class Engine:
             count *= 2  # tokens that decode to little (special, partial bytes): widen until it holds
         return next((stop for stop in stops if stop in tail), None)
 
-    def _finish(self, request: Request, reason: str, stop_string: str | None = None, error: Exception | None = None) -> None:
+    # ---- endings (under the lock; their events are emitted after it is released) --------------------
+
+    def _finish(self, request: Request, reason: str, stop_string: str | None = None, error: Exception | None = None) -> Finished:
+        self._scheduler.remove(request)
         if not request.prompt_tokens:
             request.prompt_tokens = len(request.seq.tokens) - len(request.generated)
             request.reused_tokens = request.seq.num_computed
         self.stats.reused_tokens += request.reused_tokens
         self.stats.prefix_hit_tokens += request.prefix_hit_tokens
-        for observe in self._finish_observers:
-            observe(request, reason)
-        self.stats.requests_by_outcome[reason] = self.stats.requests_by_outcome.get(reason, 0) + 1
-        self.sampler.forget(request.request_id)
-        if not request.keep_pages:
+        self.stats.requests_by_outcome[reason] += 1
+        self._sampler.forget(request.request_id)
+        seq = request.seq
+        if not seq.session or seq.closed:
             self._finished.append(request)
-        request.emit(FinishEvent(reason, request.usage(), stop_string, error))
+        else:
+            self._scheduler.park(seq)
+        return request, FinishEvent(reason, request.usage(), stop_string, error)
 
-    def _fail(self, requests: list[Request], error: Exception) -> None:
+    def _fail(self, requests: list[Request], error: Exception) -> list[Finished]:
         """End requests with an error, dropping pages allocated past what they computed."""
         for request in requests:
-            self.cache.truncate(request.seq.table, request.seq.num_computed)
-            self.scheduler.remove(request)
-            self._finish(request, "error", error=error)
+            request.seq.num_computed = self._cache.drop(request.seq.table, request.seq.num_computed)
+        return [self._finish(request, "error", error=error) for request in requests]
 
-    def _drop_cancelled(self) -> None:
-        for request in [r for r in list(self.scheduler.running) + list(self.scheduler.waiting) if r.cancelled.is_set()]:
-            self.scheduler.remove(request)
-            self._finish(request, "cancelled")
+    def _drop_cancelled(self) -> list[Finished]:
+        cancelled = [r for r in (*self._scheduler.running, *self._scheduler.waiting) if r.cancelled.is_set()]
+        return [self._finish(r, "cancelled") for r in cancelled]
 
     def _release_finished(self) -> None:
         for request in self._finished:
-            self.cache.release(request.seq.table)
+            self._cache.release(request.seq.table)
             request.seq.num_computed = 0
         self._finished.clear()
+
+    def _emit(self, ended: list[Finished]) -> None:
+        for request, event in ended:
+            for observe in self._finish_observers:
+                observe(request, event.reason)
+            request.emit(event)
+
+
+_live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_engines() -> None:
+    """A loop thread still inside a forward when the interpreter tears down aborts the process
+    ("terminate called without an active exception"): stop every engine first."""
+    for engine in list(_live_engines):
+        engine.shutdown()

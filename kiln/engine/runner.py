@@ -1,38 +1,79 @@
-"""ModelRunner: a step's chunks -> model forward over the paged cache -> logits of the rows that sample."""
+"""ModelRunner: a step's chunks -> model inputs over the KV pages -> forward -> logits of chosen rows."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kiln.engine.batch import SeqSlice, build_step
-from kiln.kv.cache import KVCache
-from kiln.models.attention import GatherWorkspace
+from kiln.engine.sequence import Sequence
+from kiln.kv.layout import KVLayout
+from kiln.kv.step import KVSlice, KVStep, Workspace
+from kiln.kv.storage import PageStorage
+from kiln.models.attention import AttentionBatch
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    logit_rows: torch.Tensor  # [M] rows whose logits the step returns, in chunk order
+    attention: AttentionBatch
+
+
+@dataclass
+class Chunk:
+    """`num_tokens` new tokens of `seq` from its first uncomputed one; logits for the last `logit_rows`."""
+
+    seq: Sequence
+    num_tokens: int
+    logit_rows: int = 1
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: KVCache) -> None:
+    def __init__(self, model: torch.nn.Module, storage: PageStorage) -> None:
         self.model = model
-        self.cache = cache
-        self.workspace = GatherWorkspace()
+        self.storage = storage
+        self.layout: KVLayout = storage.layout
+        self.workspace = Workspace()
+
+    def prepare(self, chunks: list[Chunk]) -> StepInputs:
+        """Everything the forward needs, read from the sequences' page tables (call under the engine
+        lock: the tables must not change while this runs; the forward itself needs no lock)."""
+        device = self.storage.data.device
+        slices = [self._slice(c.seq, c.num_tokens) for c in chunks]
+        lengths = [c.num_tokens for c in chunks]
+        ends = torch.cumsum(torch.tensor(lengths), 0).tolist()
+        rows = [row for c, end in zip(chunks, ends, strict=True) for row in range(end - c.logit_rows, end)]
+        kv = KVStep(self.storage, slices, self.workspace)
+        return StepInputs(
+            input_ids=torch.tensor([t for c in chunks for t in c.seq.tokens[c.seq.num_computed : c.seq.num_computed + c.num_tokens]], device=device),
+            positions=torch.tensor([p for s in slices for p in range(s.start, s.start + s.num_tokens)], device=device),
+            logit_rows=torch.tensor(rows, dtype=torch.long, device=device),
+            attention=AttentionBatch.for_lengths(lengths, kv),
+        )
 
     @torch.inference_mode()
-    def run(self, slices: list[SeqSlice], sample_rows: list[int]) -> torch.Tensor | None:
-        """Write K/V for every slice's tokens; return float32 logits [len(sample_rows), vocab] for the
-        slices listed in `sample_rows` (those whose chunk ends their sequence), None if there are none.
-        The LM head is the biggest matmul of a small model, so intermediate prefill chunks skip it."""
-        pool = self.cache.pool
-        step = build_step(slices, self.cache.layout, pool.k, pool.v, self.workspace)
-        hidden = self.model(step.input_ids, step.positions, step.attention)
-        if not sample_rows:
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Write K/V for every chunk's tokens; return float32 logits [M, vocab] of the requested rows, None
+        if none were. The LM head is the biggest matmul of a small model, so rows nobody samples from
+        (intermediate prefill chunks) skip it."""
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
+        if not inputs.logit_rows.numel():
             return None
-        return self.model.logits(hidden[step.last_rows[sample_rows]])
+        return self.model.logits(hidden[inputs.logit_rows])
 
-    def slice_for(self, tokens: list[int], start: int, size: int, table_pages: list[list[int | None]]) -> SeqSlice:
-        """The SeqSlice of tokens[start:start+size]: each group's pages from the first one a query at
-        `start` may read (sliding-window groups have released the earlier ones)."""
-        firsts = [self.cache.first_needed_page(g, start) for g in range(len(table_pages))]
-        tables = [pages[first:] for pages, first in zip(table_pages, firsts, strict=True)]
-        if any(page is None for table in tables for page in table):
-            raise RuntimeError("a page inside the attention window was released")
-        return SeqSlice(start, tokens[start : start + size], tables, firsts)  # type: ignore[arg-type]
-
+    def _slice(self, seq: Sequence, size: int) -> KVSlice:
+        """Each group's pages a query at the chunk's first position (or later) may read."""
+        start, ps = seq.num_computed, self.layout.page_size
+        pages: list[list[int]] = []
+        indices: list[list[int]] = []
+        for group, table in zip(self.layout.groups, seq.table.pages, strict=True):
+            spans = seq.table.policy.readable(group.window, len(table), start, ps)
+            index = [i for span in spans for i in span]
+            listed = [table[i] for i in index]
+            if None in listed:
+                raise RuntimeError("a page the attention reads was released")
+            pages.append(listed)  # type: ignore[arg-type]
+            indices.append(index)
+        return KVSlice(start, size, pages, indices)

@@ -1,20 +1,28 @@
-"""Scheduler: which requests run this step and how many tokens each, within a token budget.
+"""Scheduler: which requests run this step and how many tokens each, and where their pages come from.
 
-Decode rows and running prefills go first, then waiting requests are admitted in arrival order.
-Pages come from the KV cache; when it runs dry the order is DESIGN.md's: evict cached pages (the pool
-does that by itself), ask the owner of idle sequences to give some up (`reclaim`), preempt the most
-recently admitted other request (its pages stay cached, so it resumes from the prefix cache), and only
-then fail the request with a capacity error. A running sequence is never partly overwritten.
+Every step shares the token budget fairly: decode rows first (one token each), then newly arrived
+requests, then running prefills with the rest, the one with the fewest tokens left first. While a
+prefill runs, new arrivals may take at most half the step, so a long prompt moves on in chunks around
+short requests and neither side starves (vLLM's chunked-prefill policy, with shortest-remaining-first
+among prefills so a medium prompt admitted beside a huge one is not stuck behind it).
+
+Pages come from the KV cache. When it runs dry the order is DESIGN.md's: evict cached pages (the cache
+does that by itself), drop the K/V of parked session sequences least recently used first, then of other
+waiting requests, then preempt the most recently admitted running request (its pages stay cached, so it
+resumes from the prefix cache); a running request with nothing later-admitted to preempt preempts
+itself, and a waiting one waits while anything runs. Only a request that cannot fit the pool alone
+fails. Histories are never touched: dropped K/V is recomputed (or found in the prefix cache) when needed.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import OrderedDict, deque
 from dataclasses import dataclass
+from enum import Enum
 
-from kiln.engine.sequence import Request
+from kiln.engine.sequence import Request, Sequence
+from kiln.engine.stats import EngineStats
 from kiln.errors import ResourceExhaustedError
 from kiln.kv.cache import KVCache
 
@@ -24,21 +32,33 @@ class ScheduledChunk:
     request: Request
     num_tokens: int
 
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the sequence: its last row's logits give the next token."""
+        return self.num_tokens == self.request.seq.uncomputed
+
+
+class Room(Enum):
+    OK = "ok"
+    WAIT = "wait"  # a waiting request stays queued until running ones free pages
+    GONE = "gone"  # the request was preempted or failed while making room
+
 
 class Scheduler:
-    def __init__(
-        self, cache: KVCache, max_num_seqs: int, max_batched_tokens: int, reclaim: Callable[[], bool]
-    ) -> None:
+    def __init__(self, cache: KVCache, max_num_seqs: int, max_batched_tokens: int, stats: EngineStats) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
-        self.reclaim = reclaim
+        self.stats = stats
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.parked: OrderedDict[int, Sequence] = OrderedDict()  # idle session sequences, least recently used first
         self.failed: list[tuple[Request, Exception]] = []
-        self.preemptions = 0
+        self._chunks: dict[Request, int] = {}
+        self._budget = 0
 
     def add(self, request: Request) -> None:
+        self.parked.pop(request.seq.seq_id, None)
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -50,90 +70,132 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
 
+    def park(self, seq: Sequence) -> None:
+        """A session sequence is idle (or was just used): it keeps its pages, most recently used last."""
+        if seq.table.holds_pages:
+            self.parked[seq.seq_id] = seq
+            self.parked.move_to_end(seq.seq_id)
+
+    def unpark(self, seq: Sequence) -> None:
+        self.parked.pop(seq.seq_id, None)
+
+    # ---- one step -----------------------------------------------------------------------------------
+
     def schedule(self) -> list[ScheduledChunk]:
-        budget = self.max_batched_tokens
-        chunks: list[ScheduledChunk] = []
-        for request in list(self.running):
-            if budget == 0:
-                break
-            if request not in self.running:  # preempted while making room for an earlier one
-                continue
-            size = min(request.seq.uncomputed, budget)
-            if self._reserve(request, size, chunks):
-                chunks.append(ScheduledChunk(request, size))
-                budget -= size
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        self._budget = self.max_batched_tokens
+        self._chunks = {}
+        decodes = [r for r in self.running if r.seq.uncomputed == 1]
+        prefills = sorted((r for r in self.running if r.seq.uncomputed > 1), key=lambda r: r.seq.uncomputed)
+        for request in decodes:
+            self._schedule_running(request, 1)
+        prefill_share = min(self.max_batched_tokens // 2, sum(r.seq.uncomputed for r in prefills))
+        self._admit(reserve=prefill_share)
+        for request in prefills:
+            self._schedule_running(request, min(request.seq.uncomputed, self._budget))
+        return [ScheduledChunk(request, size) for request, size in self._chunks.items()]
+
+    def _schedule_running(self, request: Request, size: int) -> None:
+        if size <= 0 or size > self._budget or request not in self.running:  # preempted for an earlier one
+            return
+        if self._reserve(request, size, admitting=False) is Room.OK:
+            self._chunks[request] = size
+            self._budget -= size
+
+    def _admit(self, reserve: int) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs and self._budget > reserve:
             request = self.waiting[0]
-            if not request.attached:
-                self._attach(request)
-            size = min(request.seq.uncomputed, budget)
-            if not self._reserve(request, size, chunks, admitting=True):
-                break
+            attached = self._attach(request)
+            size = min(request.seq.uncomputed, self._budget - reserve)
+            room = self._reserve(request, size, admitting=True)
+            if room is Room.GONE:
+                continue
+            if room is Room.WAIT:
+                if attached:  # a waiting request pins no pages it took from the prefix cache
+                    self.cache.release(request.seq.table)
+                    request.seq.num_computed = 0
+                return
             self.waiting.popleft()
             request.admitted_at = request.admitted_at or time.perf_counter()
             self.running.append(request)
-            chunks.append(ScheduledChunk(request, size))
-            budget -= size
-        return chunks
+            self._chunks[request] = size
+            self._budget -= size
 
-    def _attach(self, request: Request) -> None:
+    def _attach(self, request: Request) -> bool:
+        """Give the request what K/V it can have without computing: its own (a session's), the prefix
+        cache's, or, when every token is computed, all but the last (its logits are needed). True when
+        pages were taken from the prefix cache."""
         seq = request.seq
-        if seq.num_computed == 0 and not seq.table.resident():
-            match = self.cache.match(seq.tokens)
-            self.cache.attach(seq.table, match)
-            seq.num_computed = match.num_tokens
+        attached = False
+        if seq.num_computed == 0 and not seq.table.holds_pages:
+            seq.num_computed = self.cache.attach(seq.table, seq.tokens)
+            attached = seq.num_computed > 0
             if not request.prompt_tokens:
-                request.prefix_hit_tokens = match.num_tokens
+                request.prefix_hit_tokens = seq.num_computed
         elif seq.uncomputed == 0:
-            seq.num_computed = self.cache.rewind(seq.table, seq.num_computed)
-        request.attached = True
+            seq.num_computed = self.cache.drop(seq.table, seq.num_computed - 1)
         if not request.prompt_tokens:
             request.prompt_tokens = len(seq.tokens)
             request.reused_tokens = seq.num_computed
+        return attached
 
-    def _reserve(self, request: Request, size: int, scheduled: list[ScheduledChunk], admitting: bool = False) -> bool:
-        """Make sure the request has pages for its next `size` tokens, freeing room if needed. False when
-        it must wait (admission) or was preempted/failed (running)."""
+    # ---- making room --------------------------------------------------------------------------------
+
+    def _reserve(self, request: Request, size: int, admitting: bool) -> Room:
+        """Pages for the request's next `size` tokens, making room as the module docstring says."""
         seq = request.seq
         while not self.cache.ensure(seq.table, seq.num_computed + size):
-            if self.reclaim():
+            if self._drop_parked() or self._drop_waiting(request):
                 continue
-            victim = self._victim(request, scheduled)
-            if victim is not None:
-                self._preempt(victim)
-                continue
-            if admitting and self.running:
-                return False  # wait for running requests to finish and free pages
+            if admitting:
+                if self.running:
+                    return Room.WAIT
+            else:
+                victim = next((r for r in reversed(self.running) if r is not request), None)
+                if victim is not None and self.running.index(victim) > self.running.index(request):
+                    self._preempt(victim)
+                    continue
+                if victim is not None:  # everything else running was admitted earlier
+                    self._preempt(request)
+                    return Room.GONE
             self._fail(request, seq.num_computed + size)
+            return Room.GONE
+        return Room.OK
+
+    def _drop_parked(self) -> bool:
+        if not self.parked:
             return False
+        _, seq = self.parked.popitem(last=False)
+        self._drop(seq, "idle")
         return True
 
-    def _victim(self, request: Request, scheduled: list[ScheduledChunk]) -> Request | None:
-        """The most recently admitted running request other than `request` not yet in this step."""
-        in_step = {chunk.request.request_id for chunk in scheduled}
-        for candidate in reversed(self.running):
-            if candidate is not request and candidate.request_id not in in_step:
-                return candidate
-        return None
+    def _drop_waiting(self, request: Request) -> bool:
+        for other in reversed(self.waiting):
+            if other is not request and other.seq.table.holds_pages:
+                self._drop(other.seq, "waiting")
+                return True
+        return False
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.cache.release(request.seq.table)
-        request.seq.num_computed = 0
-        request.attached = False
+        self._budget += self._chunks.pop(request, 0)
+        self._drop(request.seq, "preempted")
         self.waiting.appendleft(request)
-        self.preemptions += 1
+        self.stats.preemptions += 1
+
+    def _drop(self, seq: Sequence, reason: str) -> None:
+        self.stats.kv_dropped_tokens[reason] += seq.num_computed
+        self.cache.release(seq.table)
+        seq.num_computed = 0
 
     def _fail(self, request: Request, num_tokens: int) -> None:
         self.remove(request)
-        pool = self.cache.pool
         needed = self.cache.pages_needed(request.seq.table, num_tokens)
         self.failed.append(
             (
                 request,
                 ResourceExhaustedError(
                     f"KV cache exhausted: {needed} more pages needed for {num_tokens} tokens, "
-                    f"{pool.available()} of {pool.num_pages} available after eviction"
+                    f"{self.cache.available()} of {self.cache.num_pages} available after eviction"
                 ),
             )
         )

@@ -9,41 +9,29 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kiln.engine.sampler import SamplingParams
-from kiln.errors import InvariantViolation
-from kiln.kv.cache import KVCache
-from kiln.kv.pages import PageTable, chain_hashes
+from kiln.kv.pages import PageTable
 from kiln.results import Usage
 
 _ids = itertools.count(1)
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """tokens[:num_computed] have K/V in `table`; the rest still need a forward pass. The last token of
-    a finished generation is never computed until the next turn needs it."""
+    a finished generation is never computed until the next turn needs it. A session's sequence
+    (`session=True`) keeps its pages between requests until the engine needs them back; a stateless
+    one gives them back when its request ends. Compared by identity: tokens can be long."""
 
     tokens: list[int]
     table: PageTable
+    session: bool = False
     num_computed: int = 0
+    closed: bool = False  # its session ended while a request ran: release the pages when it finishes
     seq_id: int = field(default_factory=lambda: next(_ids))
 
     @property
     def uncomputed(self) -> int:
         return len(self.tokens) - self.num_computed
-
-    def check(self, cache: KVCache) -> None:
-        """INV-1: the K/V held agrees with the tokens: enough pages for what is computed, none beyond,
-        and every full page named by the chain hash of exactly these tokens."""
-        ps = cache.page_size
-        if not 0 <= self.num_computed <= len(self.tokens):
-            raise InvariantViolation("inv1", f"{self.num_computed} computed of {len(self.tokens)} tokens")
-        pages = -(-self.num_computed // ps)
-        if any(len(group) != pages for group in self.table.pages):
-            lengths = [len(group) for group in self.table.pages]
-            raise InvariantViolation("inv1", f"page tables {lengths} for {self.num_computed} computed tokens")
-        expected = chain_hashes(self.tokens[: (self.num_computed // ps) * ps], ps, cache.salt)
-        if self.table.hashes != expected:
-            raise InvariantViolation("inv1", "page hashes do not match the token history")
 
 
 @dataclass(frozen=True)
@@ -63,20 +51,18 @@ class FinishEvent:
 Event = TokenEvent | FinishEvent
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """One generation over a sequence. `emit` runs on the engine thread and must not block. Its life
-    is where it is held: the scheduler's waiting queue, then its running list, then (stateless requests)
-    the engine's finished list until the next step releases the pages together; a session's request
-    just ends, leaving the pages to the session."""
+    """One generation over a sequence. `emit` runs on the engine thread, never under the engine lock,
+    and must not block. Its life is where it is held: the scheduler's waiting queue, then its running
+    list, then (stateless requests) the engine's finished list until the next step releases the pages
+    together; a session's request just ends, leaving its sequence parked with its pages."""
 
     seq: Sequence
     params: SamplingParams
     emit: Callable[[Event], None]
-    keep_pages: bool  # a session's sequence keeps its pages when the request ends
     stop_token_ids: frozenset[int]
     request_id: int = field(default_factory=lambda: next(_ids))
-    attached: bool = False
     prompt_tokens: int = 0
     reused_tokens: int = 0
     prefix_hit_tokens: int = 0  # of reused_tokens, those found in the prefix cache at admission

@@ -1,87 +1,109 @@
-"""KVCache: page tables of sequences over one PagePool, with prefix reuse and sliding-window release.
+"""KVCache: the one owner of KV pages. The pool (free list, refcounts), the prefix index (chain hash ->
+page, LRU of cached pages) and every sequence's page table change only through its methods, all called
+under the engine lock: attach (prefix match), ensure, commit, fork, drop (roll back), release.
 
-The scheduler is the only caller that changes pages (DESIGN.md § Data flow). Every method keeps two
-facts true: a sequence's full pages are named by the chain hash of its tokens, and a page is written
-only while exactly one sequence holds it (shared pages are full, hence immutable).
+A page is free (no content), used (refcount > 0) or cached (named content, refcount 0, evictable in LRU
+order). Allocation takes a free page first and evicts the least recently used cached page second. A page
+is written only while exactly one sequence holds it and it is not named: named pages are full, hence
+immutable and shareable (forks and prefix hits share them: copy-on-write by construction).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kiln.errors import InvariantViolation
+from kiln.kv.format import KVFormat
 from kiln.kv.layout import KVLayout
 from kiln.kv.pages import PageHash, PageTable, chain_hashes
-from kiln.kv.pool import PagePool
+from kiln.kv.policy import KVPolicy
+from kiln.kv.storage import PageStorage
+
+Key = tuple[int, PageHash]  # (KV group, chain hash)
 
 
-@dataclass
-class PrefixMatch:
-    """Cached pages that give the K/V of the first `num_tokens` tokens, per group (None = not needed)."""
-
-    num_tokens: int
-    pages: list[list[int | None]]
-    hashes: list[PageHash]
+@dataclass(frozen=True)
+class PoolUsage:
+    used: int
+    cached: int
+    free: int
 
 
 class KVCache:
     def __init__(
-        self, layout: KVLayout, num_pages: int, dtype: torch.dtype, device: str | torch.device, salt: bytes
+        self, layout: KVLayout, num_pages: int, dtype: torch.dtype, device: str | torch.device, kv_format: KVFormat
     ) -> None:
         self.layout = layout
-        self.pool = PagePool(layout, num_pages, dtype, device)
-        self.salt = salt
+        self.storage = PageStorage(layout, num_pages, dtype, device)
+        self.format = kv_format
+        self._fingerprint = kv_format.fingerprint()
+        self.refcount = [0] * num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._page_of: dict[Key, int] = {}
+        self._key_of: dict[int, Key] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages, least recently used first
+
+    # ---- the pool as a whole ------------------------------------------------------------------------
 
     @property
     def page_size(self) -> int:
         return self.layout.page_size
 
-    def first_needed_page(self, group: int, next_position: int) -> int:
-        """First page a query at `next_position` (or later) may read in this group."""
-        window = self.layout.groups[group].window
-        if window is None:
-            return 0
-        return max(0, next_position - window + 1) // self.page_size
+    @property
+    def num_pages(self) -> int:
+        return self.storage.num_pages
 
-    def match(self, tokens: list[int]) -> PrefixMatch:
-        """Longest cached prefix of whole pages whose K/V every layer has, leaving at least one token
-        to compute (its logits are what a request samples from)."""
-        hashes = chain_hashes(tokens[: max(0, len(tokens) - 1)], self.page_size, self.salt)
-        index = self.pool.prefix
-        full = [g for g, group in enumerate(self.layout.groups) if group.window is None]
-        count = 0
-        while count < len(hashes) and all(index.lookup(g, hashes[count]) is not None for g in full):
-            count += 1
-        while count > 0 and not self._windows_cached(hashes, count):
-            count -= 1
-        pages = [
-            [
-                index.lookup(g, hashes[i]) if i >= self.first_needed_page(g, count * self.page_size) else None
-                for i in range(count)
-            ]
-            for g in range(self.layout.num_groups)
-        ]
-        return PrefixMatch(count * self.page_size, pages, hashes[:count])
+    @property
+    def page_bytes(self) -> int:
+        return self.storage.page_bytes
 
-    def _windows_cached(self, hashes: list[PageHash], count: int) -> bool:
-        index = self.pool.prefix
-        return all(
-            index.lookup(g, hashes[i]) is not None
-            for g in range(self.layout.num_groups)
-            for i in range(self.first_needed_page(g, count * self.page_size), count)
-        )
+    def usage(self) -> PoolUsage:
+        cached = len(self._lru)
+        return PoolUsage(used=self.num_pages - len(self._free) - cached, cached=cached, free=len(self._free))
 
-    def attach(self, table: PageTable, match: PrefixMatch) -> None:
-        """Start an empty page table from a prefix match, taking a reference to each page."""
-        if table.resident() or table.hashes:
+    def available(self) -> int:
+        """Pages an allocation could get right now (free plus evictable cached)."""
+        return len(self._free) + len(self._lru)
+
+    def cached_pages(self) -> list[int]:
+        """Cached pages, the next to be evicted first."""
+        return list(self._lru)
+
+    def lookup(self, group: int, page_hash: PageHash) -> int | None:
+        return self._page_of.get((group, page_hash))
+
+    def salt(self, policy: KVPolicy) -> bytes:
+        return self._fingerprint + policy.key
+
+    # ---- sequence operations ------------------------------------------------------------------------
+
+    def attach(self, table: PageTable, tokens: Sequence[int]) -> int:
+        """Start an empty table from the longest cached prefix of whole pages whose K/V every page the
+        policy reads is cached for, leaving at least one token to compute (its logits are what a request
+        samples from). Takes a reference to each page; returns the number of tokens now computed."""
+        if table.holds_pages or table.hashes:
             raise RuntimeError("attach needs an empty page table")
-        for group, pages in enumerate(match.pages):
-            for page in pages:
+        ps = self.page_size
+        hashes = chain_hashes(tokens, ps, self.salt(table.policy), end_page=max(0, len(tokens) - 1) // ps)
+        unbounded = [g for g, group in enumerate(self.layout.groups) if group.window is None]
+        count = 0
+        while count < len(hashes) and all(self.lookup(g, hashes[count]) is not None for g in unbounded):
+            count += 1
+        while count > 0 and not all(self.lookup(g, hashes[i]) is not None for g, i in self._readable(table.policy, count)):
+            count -= 1
+        readable = set(self._readable(table.policy, count))
+        for g in range(self.layout.num_groups):
+            table.pages[g] = [self.lookup(g, hashes[i]) if (g, i) in readable else None for i in range(count)]
+            for page in table.pages[g]:
                 if page is not None:
-                    self.pool.acquire(page)
-            table.pages[group] = list(pages)
-        table.hashes = list(match.hashes)
+                    self._acquire(page)
+        table.hashes = hashes[:count]
+        table.swept = [0] * self.layout.num_groups
+        return count * ps
 
     def pages_needed(self, table: PageTable, num_tokens: int) -> int:
         """New pages `ensure` would allocate to cover positions [0, num_tokens)."""
@@ -91,68 +113,179 @@ class KVCache:
     def ensure(self, table: PageTable, num_tokens: int) -> bool:
         """Allocate pages so every group covers positions [0, num_tokens). All or nothing: on False the
         table is unchanged and the pool has what it had."""
+        if self.pages_needed(table, num_tokens) > self.available():
+            return False
         total = -(-num_tokens // self.page_size)
-        taken: list[tuple[int, int]] = []
-        for group, pages in enumerate(table.pages):
-            for _ in range(total - len(pages)):
-                page = self.pool.allocate()
-                if page is None:
-                    for g, p in reversed(taken):
-                        table.pages[g].pop()
-                        self.pool.release(p)
-                    return False
-                pages.append(page)
-                taken.append((group, page))
+        for pages in table.pages:
+            while len(pages) < total:
+                pages.append(self._allocate())
         return True
 
-    def commit(self, table: PageTable, tokens: list[int], num_computed: int) -> None:
+    def commit(self, table: PageTable, tokens: Sequence[int], num_computed: int) -> None:
         """After K/V for tokens[:num_computed] is written: name newly full pages so others can reuse
-        them, and release pages no later query of this sequence can read (sliding-window groups)."""
+        them, and release pages the policy no longer reads. Costs O(new pages), whatever the history."""
         done = num_computed // self.page_size
-        if done > len(table.hashes):
+        start = len(table.hashes)
+        if done > start:
             previous = table.hashes[-1] if table.hashes else b""
-            new = chain_hashes(tokens[: done * self.page_size], self.page_size, self.salt, previous, len(table.hashes))
+            new = chain_hashes(tokens, self.page_size, self.salt(table.policy), previous, start, done)
             for offset, page_hash in enumerate(new):
                 for group, pages in enumerate(table.pages):
-                    page = pages[len(table.hashes) + offset]
+                    page = pages[start + offset]
                     if page is not None:
-                        self.pool.prefix.register(group, page_hash, page)
+                        self._register(group, page_hash, page)
             table.hashes.extend(new)
-        # One page of slack: `rewind` may step back up to a page, and its queries must still find keys.
-        horizon = max(0, num_computed - self.page_size)
-        for group, pages in enumerate(table.pages):
-            for i in range(table.first_resident(group), min(self.first_needed_page(group, horizon), done)):
-                self.pool.release(pages[i])
-                pages[i] = None
+        # One page of slack: `drop` may step back up to a page, and its queries must still find keys.
+        self._sweep(table, max(0, num_computed - self.page_size), done)
 
-    def rewind(self, table: PageTable, num_computed: int) -> int:
-        """Make at least one token uncomputed again (a request needs a last token to take logits from,
-        e.g. after a generation was cancelled right after its final forward). Returns the new computed
-        count. A full last page may be shared, so it is released and recomputed into a private page
-        rather than rewritten."""
-        keep = num_computed - 1
-        full = keep // self.page_size
-        if len(table.hashes) > full:
-            del table.hashes[full:]
-            self.truncate(table, full * self.page_size)
-            return full * self.page_size
+    def fork(self, parent: PageTable, parent_computed: int, tokens: Sequence[int]) -> tuple[PageTable, int]:
+        """A table for a sequence whose history is `tokens`, a prefix of the parent's: it shares the
+        parent's full pages and gets a private copy of a partial last page. Returns it with the number of
+        tokens it has computed. Falls back to the prefix cache when the parent holds none of the K/V or no
+        longer holds pages the child must read (a window the parent moved past)."""
+        ps = self.page_size
+        computed = min(len(tokens), parent_computed)
+        child = PageTable.empty(self.layout.num_groups, parent.policy)
+        count = -(-computed // ps)
+        needed = self._readable(parent.policy, count, computed)
+        missing = computed == 0 or any(parent.pages[g][i] is None for g, i in needed)
+        if missing or (computed % ps and self.available() < self.layout.num_groups):
+            return child, self.attach(child, tokens)
+        wanted = set(needed)
+        for g in range(self.layout.num_groups):
+            for i in range(count):
+                page = parent.pages[g][i] if (g, i) in wanted else None
+                if page is not None and i == computed // ps:  # the partial last page: copy on write
+                    copy = self._allocate()
+                    self.storage.copy_page(page, copy)
+                    page = copy
+                elif page is not None:
+                    self._acquire(page)
+                child.pages[g].append(page)
+        child.hashes = parent.hashes[: computed // ps]
+        child.checked = min(parent.checked, len(child.hashes))
+        child.swept = [0] * self.layout.num_groups
+        return child, computed
+
+    def drop(self, table: PageTable, keep: int) -> int:
+        """Roll K/V back to the first `keep` tokens (uncommitted or speculative tokens, or a last token
+        to recompute). A shared or named page is never written again, so if position keep - 1 lies in
+        one, that page goes too and the result is the page boundary before it. Returns the tokens still
+        computed. Stays within a page of slack of the committed horizon (see `commit`)."""
+        ps = self.page_size
+        full = keep // ps
+        if keep % ps and any(len(pages) > full and self._shared(pages[full]) for pages in table.pages):
+            keep = full * ps
+        del table.hashes[keep // ps :]
+        table.checked = min(table.checked, len(table.hashes))
+        self._release_from(table, -(-keep // ps))
+        if any(table.pages[g][i] is None for g, i in self._readable(table.policy, len(table.pages[0]), keep)):
+            raise RuntimeError(f"rollback to {keep} tokens needs pages already released")
         return keep
 
-    def truncate(self, table: PageTable, num_tokens: int) -> None:
-        """Drop pages past position num_tokens - 1 (pages allocated for a step that did not run)."""
-        keep = -(-num_tokens // self.page_size)
-        for pages in table.pages:
-            while len(pages) > keep:
-                page = pages.pop()
-                if page is not None:
-                    self.pool.release(page)
-
     def release(self, table: PageTable) -> None:
-        """Give back every page of a sequence: named pages stay cached for reuse, others become free."""
-        for page in table.resident():
-            self.pool.release(page)
-        table.pages = [[] for _ in table.pages]
+        """Give back every page, last page first: named pages stay cached for reuse, the others become
+        free. Tail first, so LRU eviction takes a chain's end before its start and a released history
+        stays matchable from page 0 for as long as the pool allows."""
+        self._release_from(table, 0)
         table.hashes = []
+        table.checked = 0
+        table.swept = [0] * self.layout.num_groups
 
-    def resident_bytes(self, table: PageTable) -> int:
-        return len(table.resident()) * self.pool.page_bytes
+    def check(self, table: PageTable, tokens: Sequence[int], num_computed: int) -> None:
+        """INV-1: the K/V held agrees with the tokens: pages for exactly what is computed, and every full
+        page named by the chain hash of these tokens. Verifies the pages named since the last check and
+        the last page again (O(new pages)); raises InvariantViolation."""
+        ps = self.page_size
+        if not 0 <= num_computed <= len(tokens):
+            raise InvariantViolation("inv1", f"{num_computed} computed of {len(tokens)} tokens")
+        pages = -(-num_computed // ps)
+        if any(len(group) != pages for group in table.pages):
+            lengths = [len(group) for group in table.pages]
+            raise InvariantViolation("inv1", f"page tables {lengths} for {num_computed} computed tokens")
+        if len(table.hashes) != num_computed // ps:
+            raise InvariantViolation("inv1", f"{len(table.hashes)} page hashes for {num_computed} computed tokens")
+        start = max(0, min(table.checked, len(table.hashes) - 1))
+        previous = table.hashes[start - 1] if start else b""
+        if chain_hashes(tokens, ps, self.salt(table.policy), previous, start, len(table.hashes)) != table.hashes[start:]:
+            raise InvariantViolation("inv1", "page hashes do not match the token history")
+        table.checked = len(table.hashes)
+
+    # ---- pages --------------------------------------------------------------------------------------
+
+    def _readable(self, policy: KVPolicy, num_pages: int, next_position: int | None = None) -> list[tuple[int, int]]:
+        """(group, page index) pairs a query at `next_position` (default: just past the pages) reads."""
+        position = num_pages * self.page_size if next_position is None else next_position
+        return [
+            (g, i)
+            for g, group in enumerate(self.layout.groups)
+            for span in policy.readable(group.window, num_pages, position, self.page_size)
+            for i in span
+        ]
+
+    def _sweep(self, table: PageTable, position: int, done: int) -> None:
+        """Release full pages below `done` that no query at `position` or later reads. Only pages past
+        each group's sweep mark are looked at: what a policy reads only shrinks as positions grow."""
+        for g, group in enumerate(self.layout.groups):
+            pages = table.pages[g]
+            start = table.swept[g]
+            for span in self._gaps(table.policy, group.window, min(done, len(pages)), position):
+                for i in range(max(start, span.start), span.stop):
+                    if pages[i] is not None:
+                        self._release_page(pages[i])
+                        pages[i] = None
+                start = max(start, span.stop)
+            table.swept[g] = start
+
+    def _gaps(self, policy: KVPolicy, window: int | None, num_pages: int, position: int) -> list[range]:
+        gaps, previous = [], 0
+        for span in policy.readable(window, num_pages, position, self.page_size):
+            if span.start > previous:
+                gaps.append(range(previous, span.start))
+            previous = max(previous, span.stop)
+        if previous < num_pages:
+            gaps.append(range(previous, num_pages))
+        return gaps
+
+    def _release_from(self, table: PageTable, index: int) -> None:
+        for i in range(max(map(len, table.pages)) - 1, index - 1, -1):
+            for pages in table.pages:
+                if i < len(pages):
+                    page = pages.pop()
+                    if page is not None:
+                        self._release_page(page)
+
+    def _shared(self, page: int | None) -> bool:
+        return page is not None and (self.refcount[page] > 1 or page in self._key_of)
+
+    def _allocate(self) -> int:
+        if self._free:
+            page = self._free.popleft()
+        else:
+            page, _ = self._lru.popitem(last=False)
+            del self._page_of[self._key_of.pop(page)]
+        self.refcount[page] = 1
+        return page
+
+    def _acquire(self, page: int) -> None:
+        if self.refcount[page] == 0:
+            self._lru.pop(page, None)
+        self.refcount[page] += 1
+
+    def _release_page(self, page: int) -> None:
+        if self.refcount[page] <= 0:
+            raise RuntimeError(f"page {page} released more times than acquired")
+        self.refcount[page] -= 1
+        if self.refcount[page] == 0:
+            if page in self._key_of:
+                self._lru[page] = None
+            else:
+                self._free.append(page)
+
+    def _register(self, group: int, page_hash: PageHash, page: int) -> None:
+        """Name a freshly filled page. If another page already holds that content, the first stays the
+        canonical one and this page remains unnamed (it is freed, not cached, when released)."""
+        key = (group, page_hash)
+        if key not in self._page_of and page not in self._key_of:
+            self._page_of[key] = page
+            self._key_of[page] = key

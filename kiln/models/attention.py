@@ -1,50 +1,21 @@
 """The paged attention call every model layer makes.
 
 The runner flattens a step's new tokens of B sequences into N rows (sequence after sequence, positions
-ascending). Each layer writes its new K/V into the page pool at `slot_mapping`, gathers the pages its
-KV group reads for each sequence, and attends with a boolean mask that already encodes causality,
-the sliding window and padding. Models never allocate pages: they only read and write where told.
+ascending). Each layer hands its new K/V to the step's KVStep, which stores them in the sequences' pages,
+reads back the keys and values each sequence may see with a mask that already encodes causality, the
+sliding window and padding, and attends. Models never allocate pages or know how they are laid out.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class GroupBatch:
-    """One KV group's view of this step.
-
-    slot_mapping: [N] long, flat slot (page * page_size + offset) where each new token's K/V goes.
-    block_table:  [B, P] long, pages whose keys each sequence reads, in position order (padded with any
-                  valid page; the mask hides padding).
-    mask:         [B, Q, P * page_size] bool, True where query q of sequence b may attend to that key.
-    """
-
-    slot_mapping: torch.Tensor
-    block_table: torch.Tensor
-    mask: torch.Tensor
-
-
-class GatherWorkspace:
-    """Reusable buffers for the pages a layer gathers. At long contexts a fresh tensor per layer per
-    step costs more than the attention itself (allocation and page faults); these grow to the largest
-    step seen and are reused by every layer, which run one after another."""
-
-    def __init__(self) -> None:
-        self._k = self._v = torch.empty(0)
-
-    def take(self, pages: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two [pages, *like.shape[1:]] buffers of like's dtype and device."""
-        shape = (pages, *like.shape[1:])
-        needed = pages * like[0].numel()
-        if self._k.numel() < needed or self._k.dtype != like.dtype or self._k.device != like.device:
-            self._k = torch.empty(needed, dtype=like.dtype, device=like.device)
-            self._v = torch.empty(needed, dtype=like.dtype, device=like.device)
-        return self._k[:needed].view(shape), self._v[:needed].view(shape)
+if TYPE_CHECKING:  # kiln.kv imports the model config, hence this package
+    from kiln.kv.step import KVStep
 
 
 @dataclass
@@ -54,45 +25,39 @@ class AttentionBatch:
     query_index: [B, Q] long, row of each (sequence, query) in the flattened tokens; padding repeats a
                  valid row of the same sequence. None when B == 1 (no padding needed).
     query_valid: [B, Q] bool, False on padding.
-    k_cache, v_cache: [slots, num_pages, page_size, kv_heads, head_dim], the pool's tensors.
-    layer_slots: (group, slot) of each model layer.
+    kv:          where the layers' K/V go and come from.
     """
 
     query_index: torch.Tensor | None
     query_valid: torch.Tensor | None
-    groups: list[GroupBatch]
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    layer_slots: list[tuple[int, int]]
-    workspace: GatherWorkspace = field(default_factory=GatherWorkspace)
+    kv: KVStep
+
+    @classmethod
+    def for_lengths(cls, lengths: list[int], kv: KVStep) -> AttentionBatch:
+        if len(lengths) == 1:
+            return cls(None, None, kv)
+        device = kv.storage.data.device
+        counts = torch.tensor(lengths, device=device)
+        starts = torch.cumsum(counts, 0) - counts
+        offsets = torch.arange(max(lengths), device=device)[None, :]
+        index = starts[:, None] + torch.minimum(offsets, counts[:, None] - 1)
+        return cls(index, offsets < counts[:, None], kv)
 
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: AttentionBatch, scale: float
 ) -> torch.Tensor:
     """q: [N, heads, head_dim]; k, v: [N, kv_heads, head_dim] (after RoPE/norms). Returns [N, heads, head_dim]."""
-    group_index, slot = batch.layer_slots[layer]
-    group = batch.groups[group_index]
-    k_pages, v_pages = batch.k_cache[slot], batch.v_cache[slot]
-    kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_pages.view(-1, kv_heads, head_dim).index_copy_(0, group.slot_mapping, k.to(k_pages.dtype))
-    v_pages.view(-1, kv_heads, head_dim).index_copy_(0, group.slot_mapping, v.to(v_pages.dtype))
-
-    num_seqs = group.block_table.shape[0]
-    pages = group.block_table.reshape(-1)
-    k_gathered, v_gathered = batch.workspace.take(pages.numel(), k_pages)
-    torch.index_select(k_pages, 0, pages, out=k_gathered)
-    torch.index_select(v_pages, 0, pages, out=v_gathered)
-    keys = k_gathered.view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
-    values = v_gathered.view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
-    if group.mask.shape[1] == 1:
-        return _decode_attention(q, keys.to(q.dtype), values.to(q.dtype), group.mask[:, 0], scale)
+    batch.kv.write(layer, k, v)
+    keys, values, mask = batch.kv.read(layer)
+    if mask.shape[1] == 1:
+        return _decode_attention(q, keys.to(q.dtype), values.to(q.dtype), mask[:, 0], scale)
     queries = q.unsqueeze(0) if batch.query_index is None else q[batch.query_index]
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2),
         keys.to(q.dtype),
         values.to(q.dtype),
-        attn_mask=group.mask.unsqueeze(1),
+        attn_mask=mask.unsqueeze(1),
         scale=scale,
         enable_gqa=True,
     ).transpose(1, 2)

@@ -134,9 +134,9 @@ async def _shutdown(llm: LLM, service: RuntimeService, grpc_server, http: uvicor
     started = time.monotonic()
     service.stop_admitting()
     deadline = started + grace_s
-    while llm.engine.scheduler.has_work() and time.monotonic() < deadline:
+    while llm.engine.pending() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    cancelled = len(llm.engine.scheduler.running) + len(llm.engine.scheduler.waiting)
+    cancelled = llm.engine.pending()
     llm.engine.shutdown()  # cancels whatever is still in flight
     await grpc_server.stop(grace=1.0)
     http.should_exit = True

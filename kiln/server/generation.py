@@ -19,11 +19,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kiln.client.text import TextDeltas
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import CancelledError
 from kiln.results import GenerationResult
 from kiln.server.http_errors import error_status
+from kiln.text import TextDeltas
 from kiln.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -72,12 +72,12 @@ async def collect(stream: AsyncGenerationStream, tokenizer: Tokenizer, stop: Seq
     return Output("".join(delta.text for delta in parts), result)
 
 
-def start_all(starts: Sequence[Callable[[], AsyncGenerationStream]]) -> list[AsyncGenerationStream]:
+async def start_all(starts: Sequence[Callable[[], Awaitable[AsyncGenerationStream]]]) -> list[AsyncGenerationStream]:
     """Start several generations; if one is refused, the ones already started are cancelled."""
     streams: list[AsyncGenerationStream] = []
     try:
         for start in starts:
-            streams.append(start())
+            streams.append(await start())
     except BaseException:
         for stream in streams:
             stream.cancel()

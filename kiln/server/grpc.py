@@ -168,10 +168,11 @@ class RuntimeServicer:
     async def Generate(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
         """Initial metadata once the generation is accepted, token chunks as they commit, one Finish.
         However the call ends (done, failed, cancelled by the client), the generation is stopped so
-        the session is free for the next one. Starts on the loop: the stream belongs to it."""
+        the session is free for the next one. The stream belongs to the loop; it is submitted from a
+        worker thread."""
         async with self.call("Generate", context) as owner:
             message = _parse("Generate", request)
-            stream = self.service.generate(owner, _session_id(message), _generate_request(message))
+            stream = await self.service.generate(owner, _session_id(message), _generate_request(message))
             try:
                 await context.send_initial_metadata(())
                 async with contextlib.aclosing(token_batches(stream)) as batches:

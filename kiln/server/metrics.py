@@ -22,36 +22,40 @@ class _EngineState(Collector):
 
     def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
         engine, store = self.llm.engine, self.llm.sessions
-        with engine.lock:
-            usage = engine.cache.pool.usage()
-            page_bytes = engine.cache.pool.page_bytes
-            stats = engine.stats
-            yield GaugeMetricFamily("kiln_sessions_active", "Live sessions", value=len(store))
-            yield _labelled_counter("kiln_sessions", "Sessions by outcome", "outcome", store.outcomes,
-                                    ("created", "closed", "evicted", "failed"))
-            yield _labelled_counter("kiln_session_evictions", "Session evictions by reason", "reason",
-                                    store.evictions, ("ttl", "lru"))
-            pages = GaugeMetricFamily("kiln_kv_pages", "KV pages by state", labels=["state"])
-            for state in ("used", "cached", "free"):
-                pages.add_metric([state], getattr(usage, state))
-            yield pages
-            yield GaugeMetricFamily("kiln_kv_bytes", "Bytes of KV pages holding K/V (used + cached)",
-                                    value=(usage.used + usage.cached) * page_bytes)
-            yield GaugeMetricFamily("kiln_kv_capacity_bytes", "Bytes of the whole KV page pool",
-                                    value=engine.cache.pool.num_pages * page_bytes)
-            yield CounterMetricFamily("kiln_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-                                      value=stats.prefix_hit_tokens)
-            yield CounterMetricFamily("kiln_reused_tokens", "Prompt tokens whose K/V was resident (sessions and prefix cache)",
-                                      value=stats.reused_tokens)
-            yield CounterMetricFamily("kiln_prefill_tokens", "Prompt tokens computed", value=stats.prefill_tokens)
-            yield CounterMetricFamily("kiln_generated_tokens", "Tokens generated", value=stats.generated_tokens)
-            yield CounterMetricFamily("kiln_engine_steps", "Engine steps (one forward each)", value=stats.steps)
-            yield _labelled_counter("kiln_generations", "Generations by finish reason", "reason",
-                                    stats.requests_by_outcome, ("stop", "length", "cancelled", "error"))
-            yield CounterMetricFamily("kiln_preemptions", "Requests preempted for KV pages",
-                                      value=engine.scheduler.preemptions)
-            yield _labelled_counter("kiln_cache_invariant_violations", "Cache invariant violations by kind", "kind",
-                                    store.invariant_violations, ("inv1", "inv2"))
+        usage = engine.kv_usage()
+        page_bytes = engine.kv_page_bytes
+        stats = engine.stats
+        with store.lock:
+            live, outcomes = len(store), dict(store.outcomes)
+            evictions, violations = dict(store.evictions), dict(store.invariant_violations)
+        yield GaugeMetricFamily("kiln_sessions_active", "Live sessions", value=live)
+        yield _labelled_counter("kiln_sessions", "Sessions by outcome", "outcome", outcomes,
+                                ("created", "closed", "evicted", "failed"))
+        yield _labelled_counter("kiln_session_evictions", "Session evictions by reason", "reason",
+                                evictions, ("ttl", "lru"))
+        pages = GaugeMetricFamily("kiln_kv_pages", "KV pages by state", labels=["state"])
+        for state in ("used", "cached", "free"):
+            pages.add_metric([state], getattr(usage, state))
+        yield pages
+        yield GaugeMetricFamily("kiln_kv_bytes", "Bytes of KV pages holding K/V (used + cached)",
+                                value=(usage.used + usage.cached) * page_bytes)
+        yield GaugeMetricFamily("kiln_kv_capacity_bytes", "Bytes of the whole KV page pool",
+                                value=engine.kv_pages * page_bytes)
+        yield _labelled_counter("kiln_kv_dropped_tokens", "Tokens whose K/V was given back for room, by whose "
+                                "(histories stay; the K/V is recomputed when needed)", "reason",
+                                stats.kv_dropped_tokens, ("idle", "waiting", "preempted"))
+        yield CounterMetricFamily("kiln_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                  value=stats.prefix_hit_tokens)
+        yield CounterMetricFamily("kiln_reused_tokens", "Prompt tokens whose K/V was resident (sessions and prefix cache)",
+                                  value=stats.reused_tokens)
+        yield CounterMetricFamily("kiln_prefill_tokens", "Prompt tokens computed", value=stats.prefill_tokens)
+        yield CounterMetricFamily("kiln_generated_tokens", "Tokens generated", value=stats.generated_tokens)
+        yield CounterMetricFamily("kiln_engine_steps", "Engine steps (one forward each)", value=stats.steps)
+        yield _labelled_counter("kiln_generations", "Generations by finish reason", "reason",
+                                stats.requests_by_outcome, ("stop", "length", "cancelled", "error"))
+        yield CounterMetricFamily("kiln_preemptions", "Requests preempted for KV pages", value=stats.preemptions)
+        yield _labelled_counter("kiln_cache_invariant_violations", "Cache invariant violations by kind", "kind",
+                                violations, ("inv1", "inv2"))
 
 
 def _labelled_counter(name: str, doc: str, label: str, counts: dict[str, int], always: tuple[str, ...]):  # noqa: ANN202

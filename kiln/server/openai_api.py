@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from kiln.client.chat import from_openai_messages, tokens_for_chat
+from kiln.chat import from_openai_messages, tokens_for_chat
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import NotFoundError
 from kiln.results import Usage
@@ -150,13 +150,13 @@ class OpenAIRoutes:
     async def _reply(self, request: Request, body: OpenAIBody, shape: _Shape,
                      prompts_of: Callable[[], Sequence[list[int]]]) -> Response:
         """`prompts_of()` renders and tokenizes the prompts on a worker thread (megabytes of text, a chat
-        template): the event loop keeps serving everyone else. The generations start on the loop, which
-        their streams belong to."""
+        template): the event loop keeps serving everyone else. The generations' streams belong to the loop;
+        their submission runs on worker threads too."""
         if body.model not in (None, MODEL_ALIAS, self.service.model_name):
             raise NotFoundError(f"model {body.model!r} is not served here; this server serves {self.service.model_name!r}")
         prompts = await run_in_threadpool(prompts_of)
         generate = body.generate_request()
-        streams = start_all([functools.partial(self.service.complete, prompt, generate) for prompt in prompts])
+        streams = await start_all([functools.partial(self.service.complete, prompt, generate) for prompt in prompts])
         reply = _Reply(shape, self.tokenizer, shape.id_prefix + secrets.token_hex(12), int(time.time()),
                        self.service.model_name, streams, body.stop_strings, body.include_usage, body.wants_logprobs)
         if body.stream:

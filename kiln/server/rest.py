@@ -93,7 +93,7 @@ class SessionRoutes:
 
     async def generate(self, session_id: str, owner: Owner, request: Request,
                        body: SessionGenerateBody = _EMPTY_GENERATE) -> Response:
-        stream = self.service.generate(owner, session_id, body.generate_request())
+        stream = await self.service.generate(owner, session_id, body.generate_request())
         if body.stream:
             return SseResponse(self._events(stream, body.stop_strings), [stream])
         output = await unless_disconnected(request, collect(stream, self.service.llm.tokenizer, body.stop_strings),

@@ -4,6 +4,7 @@ transports only translate formats and errors."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,11 +86,13 @@ class RuntimeService:
         self.sessions.append(session_id, list(tokens), owner)
         return self.sessions.info(session_id, owner)
 
-    def generate(self, owner: str | None, session_id: str, request: GenerateRequest) -> AsyncGenerationStream:
-        """Must run on the event loop that consumes the stream."""
+    async def generate(self, owner: str | None, session_id: str, request: GenerateRequest) -> AsyncGenerationStream:
+        """Await on the event loop that consumes the stream. The submission itself (session and engine
+        locks) runs on a worker thread: the loop never waits on a lock."""
         self._admit()
         stream = AsyncGenerationStream(self.llm.engine.cancel)
-        self.sessions.generate(session_id, self.sampling_params(request), owner, stream=stream)
+        params = self.sampling_params(request)
+        await asyncio.to_thread(self.sessions.generate, session_id, params, owner, stream)
         return stream
 
     def fork(self, owner: str | None, session_id: str, at: int | None = None) -> SessionInfo:
@@ -110,10 +113,13 @@ class RuntimeService:
 
     # ---- stateless ----------------------------------------------------------------------------------
 
-    def complete(self, tokens: Sequence[int], request: GenerateRequest) -> AsyncGenerationStream:
-        """A stateless generation: shares cached pages with any earlier request of the same prefix."""
+    async def complete(self, tokens: Sequence[int], request: GenerateRequest) -> AsyncGenerationStream:
+        """A stateless generation: shares cached pages with any earlier request of the same prefix.
+        Submitted from a worker thread, like `generate`."""
         self._admit()
-        return self.llm.start(list(tokens), self.sampling_params(request), AsyncGenerationStream(self.llm.engine.cancel))
+        stream = AsyncGenerationStream(self.llm.engine.cancel)
+        await asyncio.to_thread(self.llm.start, list(tokens), self.sampling_params(request), stream)
+        return stream
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -122,7 +128,7 @@ class RuntimeService:
         return self.llm.tokenizer.decode(self.llm.engine.validate_tokens(list(token_ids)), skip_special_tokens)
 
     def health(self) -> dict[str, object]:
-        usage = self.llm.engine.cache.pool.usage()
+        usage = self.llm.engine.kv_usage()
         return {
             "status": self._status(),
             "model": self.model_name,

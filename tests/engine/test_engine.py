@@ -1,5 +1,8 @@
 """Engine behaviour on tiny random models: batching, chunking, prefix reuse, capacity, cancellation."""
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -53,7 +56,7 @@ def test_prompt_longer_than_context_and_bad_ids_are_refused(tiny_llm):
         llm.generate([5, 10_000], GREEDY)
     with pytest.raises(InvalidArgumentError, match="max_tokens"):
         llm.generate([5, 6], max_tokens=0)
-    assert llm.engine.cache.pool.usage().used == 0
+    assert llm.engine.kv_usage().used == 0
 
 
 def test_request_larger_than_pool_is_a_capacity_error(tiny_llm):
@@ -74,10 +77,10 @@ def test_cancel_frees_the_sequence(tiny_llm):
     assert not session.info().generating
     llm.generate([1, 2, 3], max_tokens=1)  # the loop keeps serving
     stateless = llm.engine
-    with stateless.lock:
+    with stateless._lock:
         stateless._release_finished()
     session.close()
-    assert llm.engine.cache.pool.usage().used == 0
+    assert llm.engine.kv_usage().used == 0
 
 
 def test_stop_strings_stop_tokens_and_logprobs(tiny_llm):
@@ -138,17 +141,17 @@ def test_stop_string_late_in_a_long_reply_decodes_only_a_tail(tiny_llm, monkeypa
 def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_llm, monkeypatch):
     llm = tiny_llm("llama", page_size=4)
     session = llm.create_session(prompts(1, 10)[0])
-    sample = llm.engine.sampler.sample
+    sample = llm.engine._sampler.sample
 
     def broken(*args, **kwargs):
         raise RuntimeError("a sampler bug")
 
-    monkeypatch.setattr(llm.engine.sampler, "sample", broken)
+    monkeypatch.setattr(llm.engine._sampler, "sample", broken)
     with pytest.raises(RuntimeError, match="a sampler bug"):
         llm.generate(prompts(1, 7)[0], GREEDY)
     with pytest.raises(RuntimeError, match="a sampler bug"):
         list(session.generate(max_tokens=3))
-    monkeypatch.setattr(llm.engine.sampler, "sample", sample)
+    monkeypatch.setattr(llm.engine._sampler, "sample", sample)
     assert len(list(session.generate(max_tokens=3, ignore_eos=True))) == 3  # the session is intact
     assert session.info().history_tokens == 13
     assert len(llm.generate(prompts(1, 7)[0], GREEDY)[0].token_ids) == 12
@@ -163,7 +166,7 @@ def test_a_dead_engine_loop_refuses_new_work_as_unavailable(tiny_llm, monkeypatc
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in the bug handler")
 
-    monkeypatch.setattr(llm.engine.sampler, "sample", broken)
+    monkeypatch.setattr(llm.engine._sampler, "sample", broken)
     monkeypatch.setattr(llm.engine, "_fail", broken)
     llm.create_session(prompts(1, 5)[0]).generate(max_tokens=2)  # its step fails, then so does the handler
     llm.engine._thread.join(timeout=30)
@@ -176,14 +179,14 @@ def test_a_dead_engine_loop_refuses_new_work_as_unavailable(tiny_llm, monkeypatc
 def test_a_request_whose_sampling_fails_fails_alone(tiny_llm, monkeypatch):
     """Sampling that fails for one request of a batch (a bug) fails that request; the rest go on."""
     llm = tiny_llm("llama")
-    sample = llm.engine.sampler.sample
+    sample = llm.engine._sampler.sample
 
     def fails_for_warm_requests(logits, params, request_ids):
         if any(p.temperature == 0.7 for p in params):
             raise RuntimeError("a sampler bug")
         return sample(logits, params, request_ids)
 
-    monkeypatch.setattr(llm.engine.sampler, "sample", fails_for_warm_requests)
+    monkeypatch.setattr(llm.engine._sampler, "sample", fails_for_warm_requests)
     session = llm.create_session(prompts(1, 9)[0])
     healthy = session.generate(max_tokens=300, ignore_eos=True)  # still running when the other fails
     with pytest.raises(RuntimeError, match="a sampler bug"):
@@ -212,3 +215,79 @@ def test_numpy_token_arrays_are_prompts_and_histories(tiny_llm):
     assert list(session.generate(GREEDY)) == expected
     with pytest.raises(InvalidArgumentError, match="fork position"):
         session.fork(at=True)
+
+
+def test_competing_requests_that_each_fit_alone_all_complete(tiny_llm):
+    """Four requests of 15 pages each in a 24-page pool: some are preempted and requeued, none fails, and
+    each gives the tokens it gives alone."""
+    llm = tiny_llm("llama", page_size=4, kv_pages=24)
+    batch = prompts(4, 20)
+    params = SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True)
+    alone = [llm.generate(p, params)[0].token_ids for p in batch]
+    together = [o.token_ids for o in llm.generate(batch, params)]
+    assert together == alone
+    assert llm.engine.stats.preemptions > 0 and llm.engine.stats.kv_dropped_tokens["preempted"] > 0
+
+
+def test_callbacks_run_without_the_engine_lock(tiny_llm):
+    """Token and finish events are emitted with the engine lock released: another thread can take it
+    while a callback runs (a slow consumer never stalls session calls)."""
+    llm = tiny_llm("llama")
+    engine = llm.engine
+    acquired: list[bool] = []
+
+    def emit(event):
+        def try_lock():
+            if engine._lock.acquire(timeout=2):
+                engine._lock.release()
+                acquired.append(True)
+            else:
+                acquired.append(False)
+
+        other = threading.Thread(target=try_lock)
+        other.start()
+        other.join()
+
+    request = engine.submit(engine.new_sequence(prompts(1, 6)[0], session=False), GREEDY, emit)
+    deadline = time.monotonic() + 30
+    while len(acquired) < 13 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert request.generated
+    assert acquired == [True] * 13  # 12 tokens and the finish event
+
+
+def test_shutdown_and_close_during_a_forward_wait_for_it(tiny_llm, monkeypatch):
+    """Neither a session's close nor the engine's shutdown gives pages back while a forward that writes
+    them is running; both complete once it ends, and everything is released."""
+    llm = tiny_llm("llama", page_size=4)
+    session = llm.create_session(prompts(1, 10)[0])
+    session.generate(max_tokens=1).result()
+    inside, proceed = threading.Event(), threading.Event()
+    forward = llm.engine.model.forward
+
+    def slow_forward(*args, **kwargs):
+        inside.set()
+        assert proceed.wait(30)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.model, "forward", slow_forward)
+    stream = session.generate(max_tokens=50, ignore_eos=True)
+    assert inside.wait(30)
+    used = llm.engine.kv_usage().used
+    session.close()  # cancels; the pages stay until the forward ends
+    closer = threading.Thread(target=llm.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive() and llm.engine.kv_usage().used == used
+    proceed.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert stream.result().finish_reason == "cancelled"
+    assert llm.engine.kv_usage().used == 0
+
+
+def test_requests_and_sequences_compare_by_identity(tiny_llm):
+    llm = tiny_llm("llama")
+    a = llm.engine.new_sequence([1, 2, 3], session=False)
+    b = llm.engine.new_sequence([1, 2, 3], session=False)
+    assert a != b and a == a

@@ -1,12 +1,15 @@
-"""Kiln's model definitions agree with transformers (fp32, eager attention) within 1e-4 on every logit:
-one-shot, chunked and token-by-token runs through a real paged cache (small shuffled pages, released
-out-of-window pages), mixed prefill/decode batches, plus the config.json mapping both ways."""
+"""Kiln's model definitions agree with transformers (fp32, eager attention) within 1e-4 on every logit
+when run as the engine runs them: through the real KVCache (small shuffled pages, sliding-window pages
+released by `commit`) and ModelRunner, one-shot, chunked, token by token, in mixed prefill/decode
+batches, from a prefix-cache hit and past Gemma's 512-token window; plus the config.json mapping both
+ways."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import re
+from collections import deque
 from itertools import zip_longest
 
 import pytest
@@ -14,17 +17,24 @@ import torch
 from transformers import AutoConfig, PreTrainedModel
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from kiln.engine.batch import SeqSlice, build_step
+from kiln.engine.runner import Chunk, ModelRunner
+from kiln.engine.sequence import Sequence
 from kiln.errors import InvalidArgumentError
+from kiln.kv.cache import KVCache
+from kiln.kv.format import KVFormat, dtype_name
 from kiln.kv.layout import KVLayout
+from kiln.kv.pages import PageTable
 from kiln.models import build_model
 from kiln.models.causal_lm import CausalLM
 from kiln.models.config import ModelConfig, RopeScaling
 from kiln.models.hf_config import config_from_hf, hf_config_dict
 from kiln.models.layers import RotaryEmbedding
-from tests.tiny_models import TINY_CONFIGS, hf_state_dict, tiny_hf_model
+from tests.tiny_models import TINY_CONFIGS, hf_state_dict, random_hf_model, tiny_hf_model
 
 ATOL = 1e-4
+NAN = float("nan")
+# 660 tokens: prefill chunks that cross position 512 and many page boundaries, then decode steps.
+LONG_CHUNKS = [211, 190, 137, 102] + [1] * 20
 
 
 @dataclasses.dataclass
@@ -41,9 +51,8 @@ class Pair:
             return self.hf(input_ids=torch.tensor([tokens])).logits[0]
 
 
-def make_pair(name: str) -> Pair:
-    config = TINY_CONFIGS[name]
-    hf = tiny_hf_model(name)
+def make_pair(config: ModelConfig) -> Pair:
+    hf = random_hf_model(config)
     ours = build_model(config)
     ours.load_weights(hf_state_dict(hf))
     return Pair(config, hf, ours)
@@ -51,7 +60,7 @@ def make_pair(name: str) -> Pair:
 
 @pytest.fixture(scope="module", params=list(TINY_CONFIGS))
 def pair(request: pytest.FixtureRequest) -> Pair:
-    return make_pair(request.param)
+    return make_pair(TINY_CONFIGS[request.param])
 
 
 WINDOWED_OR_SCALED = [name for name, c in TINY_CONFIGS.items() if c.sliding_window or c.rope_scaling]
@@ -61,68 +70,81 @@ def random_tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-class PagedKV:
-    """Test-side page bookkeeping over a pool bigger than needed. Pages are handed out in shuffled order
-    holding finite garbage (as a reused page would). Pages never handed out are NaN, and so are pages a
-    sliding-window group releases (`release=True`, the slices then start at first_pages > 0): reading
-    either, even under a mask, would turn logits into NaN."""
+class PoisonedCache:
+    """The real KVCache and ModelRunner, rigged so that reading a page attention must not read turns
+    logits into NaN, even under a mask. The pool (twice what `num_tokens` need) starts as NaN and hands
+    pages out in shuffled order; a page `ensure` hands out gets finite garbage, as a reused page holds;
+    a page `commit` releases (out of a sliding window) becomes NaN again and is counted in `released`."""
 
     def __init__(
-        self, config: ModelConfig, page_size: int, num_pages: int, release: bool, seed: int = 0
+        self,
+        model: CausalLM,
+        config: ModelConfig,
+        page_size: int,
+        num_tokens: int,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.layout = KVLayout.for_model(config, page_size)
-        self.release = release
-        self.generator = torch.Generator().manual_seed(seed)
-        shape = (self.layout.slots, num_pages, page_size, config.num_kv_heads, config.head_dim)
-        self.k, self.v = torch.full(shape, float("nan")), torch.full(shape, float("nan"))
-        self.free = torch.randperm(num_pages, generator=self.generator).tolist()
-        self.tables: dict[int, list[list[int]]] = {}
-        self.released: set[int] = set()
+        layout = KVLayout.for_model(config, page_size)
+        num_pages = 2 * layout.num_groups * (num_tokens // page_size + 1)
+        kv_format = KVFormat("tiny", dtype_name(dtype), dtype_name(dtype), "raw", page_size)
+        self.cache = KVCache(layout, num_pages, dtype, "cpu", kv_format)
+        self.cache.storage.data.fill_(NAN)
+        self.generator = torch.Generator().manual_seed(0)
+        self.cache._free = deque(torch.randperm(num_pages, generator=self.generator).tolist())
+        self.runner = ModelRunner(model, self.cache.storage)
+        self.released = 0
 
-    def slice(self, seq: int, start: int, tokens: list[int]) -> SeqSlice:
-        tables = self.tables.setdefault(seq, [[] for _ in self.layout.groups])
-        firsts = [self._first_needed(group.window, start) for group in self.layout.groups]
-        for table, first in zip(tables, firsts, strict=True):
-            while len(table) * self.layout.page_size < start + len(tokens):
-                table.append(self._take())
-            for page in set(table[:first]) - self.released:
-                self.k[:, page] = self.v[:, page] = float("nan")
-                self.released.add(page)
-        return SeqSlice(start, tokens, [t[first:] for t, first in zip(tables, firsts, strict=True)], firsts)
+    def admit(self, tokens: list[int]) -> Sequence:
+        """A sequence over `tokens`, starting from the longest prefix the cache holds."""
+        seq = Sequence(tokens, PageTable.empty(self.cache.layout.num_groups))
+        seq.num_computed = self.cache.attach(seq.table, tokens)
+        return seq
 
-    def _first_needed(self, window: int | None, start: int) -> int:
-        """Index of the first page a query at `start` (or later) may read: keys > start - window."""
-        if not self.release or window is None:
-            return 0
-        return max(0, start - window + 1) // self.layout.page_size
+    def step(self, chunks: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
+        """One engine step over the next `n` tokens of each sequence (ensure, forward, commit); each
+        sequence's logits for every row it was fed, [n, vocab]."""
+        data = self.cache.storage.data
+        for seq, n in chunks:
+            held = set(seq.table.resident())
+            assert self.cache.ensure(seq.table, seq.num_computed + n)
+            for page in set(seq.table.resident()) - held:
+                data[page] = torch.randn(data[page].shape, generator=self.generator).to(data.dtype)
+        logits = self.runner.run(self.runner.prepare([Chunk(seq, n, logit_rows=n) for seq, n in chunks]))
+        for seq, n in chunks:
+            held = set(seq.table.resident())
+            seq.num_computed += n
+            self.cache.commit(seq.table, seq.tokens, seq.num_computed)
+            self.cache.check(seq.table, seq.tokens, seq.num_computed)
+            released = sorted(held - set(seq.table.resident()))
+            assert all(self.cache.refcount[page] == 0 for page in released)  # now free or cached
+            data[released] = NAN
+            self.released += len(released)
+        return list(logits.split([n for _, n in chunks]))
 
-    def _take(self) -> int:
-        page = self.free.pop()
-        self.k[:, page] = torch.randn(self.k[:, page].shape, generator=self.generator)
-        self.v[:, page] = torch.randn(self.v[:, page].shape, generator=self.generator)
-        return page
 
-
-def run(model: CausalLM, kv: PagedKV, tokens: dict[int, list[int]], steps: list[dict[int, int]]) -> dict:
-    """Feed each step's {sequence: new token count} through build_step and the model; return each
-    sequence's logits for all the positions it was fed, [positions, vocab]."""
-    done = dict.fromkeys(tokens, 0)
-    parts: dict[int, list[torch.Tensor]] = {seq: [] for seq in tokens}
+def run(
+    paged: PoisonedCache, tokens: dict[int, list[int]], steps: list[dict[int, int]]
+) -> dict[int, torch.Tensor]:
+    """Admit each sequence, feed each step's {sequence: new token count}; return each sequence's logits
+    for all the positions it was fed, [positions, vocab]. The steps must finish every sequence."""
+    seqs = {key: paged.admit(seq_tokens) for key, seq_tokens in tokens.items()}
+    parts: dict[int, list[torch.Tensor]] = {key: [] for key in tokens}
     for step in steps:
-        slices = [kv.slice(seq, done[seq], tokens[seq][done[seq] : done[seq] + n]) for seq, n in step.items()]
-        inputs = build_step(slices, kv.layout, kv.k, kv.v)
-        with torch.no_grad():
-            logits = model.logits(model(inputs.input_ids, inputs.positions, inputs.attention))
-        for (seq, n), part in zip(step.items(), logits.split(list(step.values())), strict=True):
-            parts[seq].append(part)
-            done[seq] += n
-    return {seq: torch.cat(chunks) for seq, chunks in parts.items()}
+        for key, part in zip(step, paged.step([(seqs[key], n) for key, n in step.items()]), strict=True):
+            parts[key].append(part)
+    assert all(seq.num_computed == len(seq.tokens) for seq in seqs.values())
+    return {key: torch.cat(chunks) for key, chunks in parts.items()}
 
 
-def solo(pair: Pair, tokens: list[int], chunks: list[int], page_size: int, release: bool) -> torch.Tensor:
-    pages = 2 * len(KVLayout.for_model(pair.config, page_size).groups) * (len(tokens) // page_size + 1)
-    kv = PagedKV(pair.config, page_size, pages, release)
-    return run(pair.ours, kv, {0: tokens}, [{0: n} for n in chunks])[0]
+def solo(paged: PoisonedCache, tokens: list[int], chunks: list[int]) -> torch.Tensor:
+    return run(paged, {0: tokens}, [{0: n} for n in chunks])[0]
+
+
+def window_released(layout: KVLayout, num_tokens: int) -> int:
+    """Pages the sliding-window groups have released once `num_tokens` are committed: those wholly
+    before the window of a query at num_tokens - page_size (commit keeps a page of slack for `drop`)."""
+    ps = layout.page_size
+    return sum(max(0, num_tokens - ps - g.window + 1) // ps for g in layout.groups if g.window is not None)
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -132,24 +154,22 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def test_one_shot_prefill(pair: Pair) -> None:
     tokens = random_tokens(40, seed=1)
-    assert max_diff(solo(pair, tokens, [40], page_size=16, release=False), pair.reference(tokens)) <= ATOL
+    ours = solo(PoisonedCache(pair.ours, pair.config, 16, len(tokens)), tokens, [40])
+    assert max_diff(ours, pair.reference(tokens)) <= ATOL
 
 
 def test_chunked_prefill_irregular_chunks(pair: Pair) -> None:
     tokens = random_tokens(40, seed=2)
-    ours = solo(pair, tokens, [5, 16, 3, 9, 1, 6], page_size=4, release=True)
+    ours = solo(PoisonedCache(pair.ours, pair.config, 4, len(tokens)), tokens, [5, 16, 3, 9, 1, 6])
     assert max_diff(ours, pair.reference(tokens)) <= ATOL
 
 
 def test_token_by_token_decode_across_pages_and_windows(pair: Pair) -> None:
     tokens = random_tokens(100, seed=3)
-    layout = KVLayout.for_model(pair.config, 4)
-    kv = PagedKV(pair.config, 4, num_pages=2 * layout.num_groups * 26, release=True)
-    ours = run(pair.ours, kv, {0: tokens}, [{0: 6}] + [{0: 1}] * 94)[0]
-    assert max_diff(ours, pair.reference(tokens)) <= ATOL
-    windows = [g.window for g in layout.groups if g.window is not None]
-    # Every page wholly older than the window was released (poisoned) before the run ended.
-    assert len(kv.released) == sum((100 - 1 - w + 1) // 4 for w in windows)
+    paged = PoisonedCache(pair.ours, pair.config, 4, len(tokens))
+    assert max_diff(solo(paged, tokens, [6] + [1] * 94), pair.reference(tokens)) <= ATOL
+    # Every window page the run moved past was released (and poisoned) before the run ended.
+    assert paged.released == window_released(paged.cache.layout, len(tokens))
 
 
 def test_mixed_prefill_and_decode_rows_in_one_step(pair: Pair) -> None:
@@ -160,17 +180,47 @@ def test_mixed_prefill_and_decode_rows_in_one_step(pair: Pair) -> None:
         for counts in zip_longest(*plans.values(), fillvalue=0)
     ]
     assert any(len(step) == 3 and max(step.values()) > 1 for step in steps)  # prefill and decode rows mix
-    layout = KVLayout.for_model(pair.config, 4)
-    outputs = run(pair.ours, PagedKV(pair.config, 4, 2 * layout.num_groups * 40, release=True), tokens, steps)
+    paged = PoisonedCache(pair.ours, pair.config, 4, sum(map(len, tokens.values())))
+    outputs = run(paged, tokens, steps)
     for seq, seq_tokens in tokens.items():
         assert max_diff(outputs[seq], pair.reference(seq_tokens)) <= ATOL, f"sequence {seq}"
+
+
+def test_prefix_hit_reads_the_cached_pages(pair: Pair) -> None:
+    """A sequence sharing a released one's first 38 tokens attaches its cached pages (full and window
+    groups alike) for the 36 in whole pages and computes only the rest, yet matches a full forward."""
+    first = random_tokens(40, seed=10)
+    second = first[:38] + random_tokens(10, seed=11)
+    paged = PoisonedCache(pair.ours, pair.config, 4, len(first) + len(second))
+    seq = paged.admit(first)
+    paged.step([(seq, len(first))])
+    paged.cache.release(seq.table)
+    ours = run(paged, {0: second}, [{0: 9}, {0: 1}, {0: 1}, {0: 1}])[0]  # 12 tokens: the rest after 36
+    assert max_diff(ours, pair.reference(second)[36:]) <= ATOL
+
+
+def check_long_prompt(pair: Pair) -> None:
+    tokens = random_tokens(sum(LONG_CHUNKS), seed=9)
+    paged = PoisonedCache(pair.ours, pair.config, 16, len(tokens))
+    assert max_diff(solo(paged, tokens, LONG_CHUNKS), pair.reference(tokens)) <= ATOL
+    assert paged.released == window_released(paged.cache.layout, len(tokens))
+
+
+def test_prompt_longer_than_512_tokens(pair: Pair) -> None:
+    check_long_prompt(pair)
+
+
+def test_prompt_longer_than_gemmas_real_window() -> None:
+    """Gemma 3's sliding window is 512 tokens: the same weights with that window, so that prefill chunks
+    and decode steps straddle the window's edge and release the pages it moves past."""
+    check_long_prompt(make_pair(dataclasses.replace(TINY_CONFIGS["gemma3"], sliding_window=512)))
 
 
 @pytest.mark.parametrize("name", WINDOWED_OR_SCALED)
 def test_window_and_rope_scaling_are_exercised(name: str) -> None:
     """The parity tests above can fail: the same weights with a window one wider, or without the RoPE
     scaling, disagree with transformers far beyond the tolerance."""
-    pair = make_pair(name)
+    pair = make_pair(TINY_CONFIGS[name])
     variants = []
     if pair.config.sliding_window:
         variants.append(dataclasses.replace(pair.config, sliding_window=pair.config.sliding_window + 1))
@@ -180,8 +230,7 @@ def test_window_and_rope_scaling_are_exercised(name: str) -> None:
     for config in variants:
         model = build_model(config)
         model.load_weights(hf_state_dict(pair.hf))
-        kv = PagedKV(config, 4, 2 * KVLayout.for_model(config, 4).num_groups * 11, release=False)
-        ours = run(model, kv, {0: tokens}, [{0: 40}])[0]
+        ours = solo(PoisonedCache(model, config, 4, len(tokens)), tokens, [40])
         assert max_diff(ours, pair.reference(tokens)) > 1e-2
 
 
@@ -192,10 +241,7 @@ def test_bfloat16_model_tracks_transformers_in_bfloat16(pair: Pair) -> None:
     model = build_model(pair.config, dtype=torch.bfloat16)
     model.load_weights(hf_state_dict(hf))
     tokens = random_tokens(40, seed=8)
-    layout = KVLayout.for_model(pair.config, 4)
-    kv = PagedKV(pair.config, 4, 2 * layout.num_groups * 11, release=True)
-    kv.k, kv.v = kv.k.to(torch.bfloat16), kv.v.to(torch.bfloat16)
-    ours = run(model, kv, {0: tokens}, [{0: 13}, {0: 27}])[0]
+    ours = solo(PoisonedCache(model, pair.config, 4, len(tokens), dtype=torch.bfloat16), tokens, [13, 27])
     with torch.no_grad():
         reference = hf(input_ids=torch.tensor([tokens])).logits[0].float()
     assert ours.dtype == torch.float32

@@ -312,7 +312,7 @@ def test_token_batches_group_what_arrived_while_the_consumer_was_busy(tiny_llm):
     async def consume() -> None:
         service = RuntimeService(tiny_llm("llama"), "tiny")
         session = service.create_session(None, history())
-        stream = service.generate(None, session.session_id, GenerateRequest(max_tokens=16, ignore_eos=True, logprobs=True))
+        stream = await service.generate(None, session.session_id, GenerateRequest(max_tokens=16, ignore_eos=True, logprobs=True))
         batches = []
         async for ids, logprobs in token_batches(stream):
             assert len(ids) == len(logprobs) >= 1

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kiln.client.chat import from_openai_messages, tokens_for_chat
+from kiln.chat import from_openai_messages, tokens_for_chat
 from kiln.errors import InvalidArgumentError
 from kiln.tokenizer import Tokenizer
 from tests.conftest import byte_tokenizer

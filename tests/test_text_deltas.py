@@ -1,6 +1,6 @@
 """TextDeltas: streamed text never shows half a character or any part of a stop string."""
 
-from kiln.client.text import TextDeltas
+from kiln.text import TextDeltas
 from tests.conftest import byte_tokenizer
 
 TOKENIZER = byte_tokenizer()  # one token per byte: every multi-byte character spans several tokens

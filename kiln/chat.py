@@ -1,6 +1,9 @@
-"""Chat formatting for clients. The runtime core only sees token ids; these helpers turn messages into
-ids the way the model was trained to read them, so that a session's history only ever grows by
-appending and a stateless chat request repeats the previous request's tokens as its prefix.
+"""Chat formatting: messages into token ids the way the model was trained to read them, so that a
+session's history only ever grows by appending and a stateless chat request repeats the previous
+request's tokens as its prefix.
+
+The engine itself only sees token ids; this module sits beside it in the core because the OpenAI chat
+endpoint and `kiln chat` both need it, and the core never imports the SDK (which may import this).
 
 A conversation is rendered with the model's own jinja chat template when its tokenizer has one (in a
 jinja2 sandbox, as transformers does); otherwise in Gemma's turn format when the vocabulary has turn

@@ -1,0 +1,20 @@
+"""EngineStats: monotonic counters of one engine (the server exports them as metrics)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineStats:
+    prefill_tokens: int = 0  # prompt tokens computed
+    reused_tokens: int = 0  # prompt tokens whose K/V was already in pages when a request started
+    prefix_hit_tokens: int = 0  # of those, tokens found through the prefix cache (not a session's own)
+    generated_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    requests_by_outcome: Counter[str] = field(default_factory=Counter)
+    # Tokens whose K/V was given back for room, by whose: "idle" (a parked session), "waiting" (a queued
+    # request's sequence), "preempted" (a running request). Their histories stay; the K/V is recomputed.
+    kv_dropped_tokens: Counter[str] = field(default_factory=Counter)

@@ -1,0 +1,125 @@
+"""KVStep: how one forward step reads and writes KV pages, built from the scheduler's slices.
+
+The runner flattens a step's new tokens of B sequences into N rows (sequence after sequence, positions
+ascending). For each layer, attention hands the new K/V to `write` (they land in the sequence's pages)
+and takes back from `read` the keys, values and mask of the pages that sequence may read. Each listed
+page carries its own positions (page index * page_size + offset), so the pages a sequence reads need
+not be a prefix of its history: a policy may keep sink pages and a recent window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.kv.layout import KVLayout
+from kiln.kv.storage import PageStorage
+
+NO_POSITION = 1 << 62  # key position of padding: later than every query (and room to add offsets)
+
+
+@dataclass
+class KVSlice:
+    """One sequence's part of a step.
+
+    start:        position of the first new token.
+    num_tokens:   new tokens, at positions start .. start + num_tokens - 1.
+    pages:        per KV group, the page ids the slice reads, in position order; they include the pages
+                  its new tokens are written to.
+    page_indices: per KV group, the index of each listed page in the sequence (page i holds positions
+                  i * page_size .. (i + 1) * page_size - 1).
+    """
+
+    start: int
+    num_tokens: int
+    pages: list[list[int]]
+    page_indices: list[list[int]]
+
+
+@dataclass
+class _GroupStep:
+    rows: torch.Tensor  # [N] row base (see PageStorage.row_base) where each new token's K/V goes
+    block_table: torch.Tensor  # [B, P] pages each sequence reads (padded with its first page; masked)
+    mask: torch.Tensor  # [B, Q, P * page_size] True where query q of sequence b may attend to that key
+
+
+class Workspace:
+    """Reusable buffers for the pages a layer gathers. At long contexts a fresh tensor per layer per
+    step costs more than the attention itself (allocation and page faults); these grow to the largest
+    step seen and are reused by every layer, which run one after another."""
+
+    def __init__(self) -> None:
+        self._k = self._v = torch.empty(0)
+
+    def take(self, shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = 1
+        for size in shape:
+            needed *= size
+        if self._k.numel() < needed or self._k.dtype != like.dtype or self._k.device != like.device:
+            self._k = torch.empty(needed, dtype=like.dtype, device=like.device)
+            self._v = torch.empty(needed, dtype=like.dtype, device=like.device)
+        return self._k[:needed].view(shape), self._v[:needed].view(shape)
+
+
+class KVStep:
+    def __init__(self, storage: PageStorage, slices: list[KVSlice], workspace: Workspace | None = None) -> None:
+        if not slices or min(s.num_tokens for s in slices) == 0:
+            raise ValueError("every sequence in a step needs at least one new token")
+        self.storage = storage
+        self.layout: KVLayout = storage.layout
+        self.workspace = workspace or Workspace()
+        self.layer_slots = self.layout.layer_slots()
+        device = storage.data.device
+        max_q = max(s.num_tokens for s in slices)
+        # Padding queries repeat the sequence's last query: same mask row, never a fully masked row.
+        query_pos = torch.tensor(
+            [[s.start + min(i, s.num_tokens - 1) for i in range(max_q)] for s in slices], device=device
+        )
+        self.groups = [self._group(g, slices, query_pos, device) for g in range(self.layout.num_groups)]
+
+    def _group(self, g: int, slices: list[KVSlice], query_pos: torch.Tensor, device: torch.device) -> _GroupStep:
+        ps = self.layout.page_size
+        width = max(len(s.pages[g]) for s in slices)
+        block_table = torch.tensor([s.pages[g] + [s.pages[g][0]] * (width - len(s.pages[g])) for s in slices], device=device)
+        first_pos = torch.tensor(
+            [[i * ps for i in s.page_indices[g]] + [NO_POSITION] * (width - len(s.pages[g])) for s in slices], device=device
+        )
+        key_pos = (first_pos[:, :, None] + torch.arange(ps, device=device)).view(len(slices), -1)
+        q = query_pos[:, :, None]
+        mask = key_pos[:, None, :] <= q
+        window = self.layout.groups[g].window
+        if window is not None:
+            mask &= key_pos[:, None, :] > q - window
+        pages, offsets = [], []
+        for s in slices:
+            where = {index: page for index, page in zip(s.page_indices[g], s.pages[g], strict=True)}
+            for position in range(s.start, s.start + s.num_tokens):
+                pages.append(where[position // ps])
+                offsets.append(position % ps)
+        rows = self.storage.row_base(torch.tensor(pages, device=device), torch.tensor(offsets, device=device))
+        return _GroupStep(rows, block_table, mask)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's new K/V of one layer: k, v [N, kv_heads, head_dim]."""
+        g, slot = self.layer_slots[layer]
+        rows, ps, slots = self.storage.rows(), self.layout.page_size, self.layout.slots
+        base = self.groups[g].rows + slot * ps
+        rows.index_copy_(0, base, k.to(rows.dtype))
+        rows.index_copy_(0, base + slots * ps, v.to(rows.dtype))
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys and values [B, kv_heads, P * page_size, head_dim] each sequence may read at this layer
+        (in the pages' dtype), and the mask [B, Q, P * page_size] saying which a query sees."""
+        g, slot = self.layer_slots[layer]
+        group = self.groups[g]
+        k_pages, v_pages = self.storage.slot_views(slot)
+        num_seqs, width = group.block_table.shape
+        k_buf, v_buf = self.workspace.take((num_seqs * width, *k_pages.shape[1:]), k_pages)
+        flat = group.block_table.view(-1)
+        torch.index_select(k_pages, 0, flat, out=k_buf)
+        torch.index_select(v_pages, 0, flat, out=v_buf)
+        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
+        keys = k_buf.view(num_seqs, -1, heads, dim).transpose(1, 2)
+        values = v_buf.view(num_seqs, -1, heads, dim).transpose(1, 2)
+        return keys, values, group.mask
