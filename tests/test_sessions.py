@@ -212,3 +212,26 @@ def test_sliding_window_pages_are_released_during_a_long_session(tiny_llm):
     full_pages = -(-info.computed_tokens // 4)
     # the global group keeps every page; each sliding group the window, the page being filled and one of slack
     assert full_pages < info.resident_pages <= full_pages + 2 * (8 // 4 + 3)
+
+
+def test_pressure_on_a_forked_parent_leaves_the_pages_its_child_shares(tiny_llm):
+    """Dropping the K/V of an idle parent gives back only the references it held: the full pages its fork
+    shares stay with the child (which continues exactly), and the parent's next turn finds them again
+    through the prefix cache."""
+    llm = tiny_llm("llama", page_size=4, kv_pages=34)
+    parent = llm.create_session(history(60))
+    parent.generate(GREEDY).result()  # 68 tokens, 67 computed: 16 full pages and a partial one
+    child = parent.fork()
+    child.append([5, 6])  # the parent is now the least recently used
+    other = llm.create_session(history(60, seed=4))
+    other.generate(GREEDY).result()  # needs 17 pages: only the parent's K/V has to go
+    assert parent.info().computed_tokens == 0 and child.info().computed_tokens == 67
+    assert llm.engine.stats.kv_dropped_tokens == {"idle": 67}
+
+    child_turn = child.generate(GREEDY).result()
+    assert child_turn.usage.prefilled_tokens == 1 + 2
+    fresh = llm.create_session(child.tokens[:-8])
+    assert fresh.generate(GREEDY).result().token_ids == child_turn.token_ids
+    fresh.close()
+    parent_turn = parent.generate(GREEDY).result()
+    assert parent_turn.usage.reused_tokens == 64  # the 16 full pages the child kept

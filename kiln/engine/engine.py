@@ -83,10 +83,6 @@ class Engine:
     # ---- what the engine holds ----------------------------------------------------------------------
 
     @property
-    def kv_format(self) -> KVFormat:
-        return self._cache.format
-
-    @property
     def kv_page_bytes(self) -> int:
         return self._cache.page_bytes
 
