@@ -20,7 +20,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None, help="requests batched in one step")
-    parser.add_argument("--max-batched-tokens", type=int, default=None, help="tokens in one step (prefill chunk)")
+    parser.add_argument("--max-batched-tokens", type=int, default=None, help="tokens in one step")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=None, help="most tokens of one prompt per step")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest history, tokens")
     parser.add_argument("--max-sessions", type=int, default=None, help="live sessions before LRU eviction")
     parser.add_argument("--session-ttl-s", type=float, default=None, help="idle seconds before a session is evicted")
@@ -41,6 +42,7 @@ def _llm(args: argparse.Namespace) -> LLM:
         "dtype": args.dtype,
         "max_num_seqs": args.max_num_seqs,
         "max_batched_tokens": args.max_batched_tokens,
+        "prefill_chunk_tokens": args.prefill_chunk_tokens,
         "max_model_len": args.max_model_len,
         "max_sessions": args.max_sessions,
         "session_ttl_s": args.session_ttl_s,

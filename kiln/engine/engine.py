@@ -74,7 +74,9 @@ class Engine:
         self._lock = threading.RLock()  # reentrant: a stream collected on the engine thread cancels itself
         self._wake = threading.Condition(self._lock)
         self._finish_observers: list[Callable[[Request, str], None]] = []
-        self._scheduler = Scheduler(self._cache, config.max_num_seqs, config.max_batched_tokens, self.stats)
+        self._scheduler = Scheduler(
+            self._cache, config.max_num_seqs, config.max_batched_tokens, config.prefill_chunk_tokens, self.stats
+        )
         self._finished: list[Request] = []  # stateless requests whose pages the next step releases
         self._thread: threading.Thread | None = None
         self._stopping = False

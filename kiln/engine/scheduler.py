@@ -1,10 +1,11 @@
 """Scheduler: which requests run this step and how many tokens each, and where their pages come from.
 
 Every step shares the token budget fairly: decode rows first (one token each), then newly arrived
-requests, then running prefills with the rest, the one with the fewest tokens left first. While a
-prefill runs, new arrivals may take at most half the step, so a long prompt moves on in chunks around
-short requests and neither side starves (vLLM's chunked-prefill policy, with shortest-remaining-first
-among prefills so a medium prompt admitted beside a huge one is not stuck behind it).
+requests, then running prefills with the rest, the one with the fewest tokens left first. No prompt
+takes more than `prefill_chunk` tokens of a step, so steps stay short and a long prompt moves on in
+chunks around short requests; while a prefill runs, new arrivals may take at most half the step, so
+neither side starves (vLLM's chunked-prefill policy, with shortest-remaining-first among prefills so a
+medium prompt admitted beside a huge one is not stuck behind it).
 
 Pages come from the KV cache. When it runs dry the order is DESIGN.md's: evict cached pages (the cache
 does that by itself), drop the K/V of parked session sequences least recently used first, then of other
@@ -45,10 +46,13 @@ class Room(Enum):
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, max_num_seqs: int, max_batched_tokens: int, stats: EngineStats) -> None:
+    def __init__(
+        self, cache: KVCache, max_num_seqs: int, max_batched_tokens: int, prefill_chunk: int, stats: EngineStats
+    ) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
+        self.prefill_chunk = prefill_chunk
         self.stats = stats
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -88,10 +92,10 @@ class Scheduler:
         prefills = sorted((r for r in self.running if r.seq.uncomputed > 1), key=lambda r: r.seq.uncomputed)
         for request in decodes:
             self._schedule_running(request, 1)
-        prefill_share = min(self.max_batched_tokens // 2, sum(r.seq.uncomputed for r in prefills))
+        prefill_share = min(self.max_batched_tokens // 2, sum(self._chunk(r) for r in prefills))
         self._admit(reserve=prefill_share)
         for request in prefills:
-            self._schedule_running(request, min(request.seq.uncomputed, self._budget))
+            self._schedule_running(request, min(self._chunk(request), self._budget))
         return [ScheduledChunk(request, size) for request, size in self._chunks.items()]
 
     def _schedule_running(self, request: Request, size: int) -> None:
@@ -105,7 +109,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs and self._budget > reserve:
             request = self.waiting[0]
             attached = self._attach(request)
-            size = min(request.seq.uncomputed, self._budget - reserve)
+            size = min(self._chunk(request), self._budget - reserve)
             room = self._reserve(request, size, admitting=True)
             if room is Room.GONE:
                 continue
@@ -119,6 +123,9 @@ class Scheduler:
             self.running.append(request)
             self._chunks[request] = size
             self._budget -= size
+
+    def _chunk(self, request: Request) -> int:
+        return min(request.seq.uncomputed, self.prefill_chunk)
 
     def _attach(self, request: Request) -> bool:
         """Give the request what K/V it can have without computing: its own (a session's), the prefix

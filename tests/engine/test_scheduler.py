@@ -16,10 +16,10 @@ from kiln.models.config import ModelConfig
 PS = 4
 
 
-def make_scheduler(num_pages: int, budget: int = 64, max_num_seqs: int = 8) -> Scheduler:
+def make_scheduler(num_pages: int, budget: int = 64, chunk: int = 64, max_num_seqs: int = 8) -> Scheduler:
     config = ModelConfig("llama", 1000, 8, 16, 1, 2, 1, 4)
     cache = KVCache(KVLayout.for_model(config, PS), num_pages, torch.float32, "cpu", KVFormat("m", "f", "f", "raw", PS))
-    return Scheduler(cache, max_num_seqs, budget, EngineStats())
+    return Scheduler(cache, max_num_seqs, budget, chunk, EngineStats())
 
 
 def request(tokens: list[int], session: bool = False) -> Request:
@@ -52,6 +52,18 @@ def test_short_request_runs_at_once_beside_a_long_prefill():
     assert step(scheduler) == {short: 1, late: 31, long: 32}
     assert step(scheduler) == {short: 1, late: 63}  # the prefill with the fewest tokens left goes first
     assert step(scheduler) == {short: 1, late: 6, long: 57}
+
+
+def test_no_prompt_takes_more_than_a_chunk_of_a_step():
+    scheduler = make_scheduler(num_pages=1000, budget=64, chunk=16)
+    long, other = request(list(range(1, 1001))), request(list(range(2000, 2040)))
+    scheduler.add(long)
+    assert step(scheduler) == {long: 16}  # short steps even alone: a newcomer waits at most one of them
+    scheduler.add(other)
+    assert step(scheduler) == {other: 16, long: 16}
+    short = request([7, 8, 9])
+    scheduler.add(short)
+    assert step(scheduler) == {short: 3, other: 16, long: 16}
 
 
 def test_a_waiting_request_pins_no_cached_pages():
