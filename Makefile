@@ -30,6 +30,8 @@ bench: setup
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,bench]'
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/long_session.py
+	$(BIN)/python bench/prefill_fairness.py
+	$(BIN)/python bench/step_cost.py
 
 proto: setup  ## regenerate the checked-in message module from proto/kiln/v1/runtime.proto
 	$(BIN)/python proto/generate.py

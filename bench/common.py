@@ -7,6 +7,7 @@ the reason, never filled in.
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import importlib.util
 import json
@@ -15,7 +16,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -54,6 +55,24 @@ def parse_systems(text: str) -> list[str]:
     if unknown:
         raise SystemExit(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
     return [name for name in SYSTEMS if name in names]
+
+
+def ints(text: str) -> list[int]:
+    """An argparse type: "512,2048" -> [512, 2048]."""
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def parse_run_args(parser: argparse.ArgumentParser, name: str, quick_help: str,
+                   quick: Callable[[argparse.Namespace], None]) -> argparse.Namespace:
+    """Every script's last flags: --quick (a smoke test: `quick` shrinks the run) and --name (the results
+    file stem, default `name` or `name`_quick)."""
+    parser.add_argument("--quick", action="store_true", help=f"smoke test: {quick_help}")
+    parser.add_argument("--name", help=f"results file stem under bench/results/ (default {name}, or {name}_quick)")
+    args = parser.parse_args()
+    args.name = args.name or (f"{name}_quick" if args.quick else name)
+    if args.quick:
+        quick(args)
+    return args
 
 
 def warn_if_busy() -> None:
@@ -131,11 +150,19 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": _version("transformers"),
         "llama_cpp_python": _version("llama-cpp-python"),
+        "kiln_package": _kiln_package(),
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": bool(_git("status", "--porcelain")),
         "load_average_at_start": list(os.getloadavg()),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _kiln_package() -> str | None:
+    """Where `import kiln` (and a `kiln serve` started from here) finds the package: the checkout, or
+    another tree put first on PYTHONPATH to measure it."""
+    spec = importlib.util.find_spec("kiln")
+    return str(Path(spec.origin).parent) if spec and spec.origin else None
 
 
 def _cpu_model() -> str:
@@ -184,16 +211,18 @@ def _pyplot():  # noqa: ANN202 - matplotlib.pyplot, or None when the bench extra
     return plt
 
 
-def plot_lines(name: str, series: dict[str, tuple[list[float], list[float]]], xlabel: str, ylabel: str, title: str) -> Path | None:
-    """One line per system (x, y) on a log y axis, since the full-history baseline grows by orders of
-    magnitude past the others. Returns the PNG path, or None without matplotlib."""
+def plot_lines(name: str, series: dict[str, tuple[list[float], list[float]]], xlabel: str, ylabel: str, title: str,
+               yscale: str = "log") -> Path | None:
+    """One line per series (x, y), labelled with LABELS for a system's name and the key otherwise; a log
+    y axis by default, since the full-history baseline grows by orders of magnitude past the others.
+    Returns the PNG path, or None without matplotlib."""
     plt = _pyplot()
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    for system, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="." if len(xs) < 60 else None, label=LABELS[system])
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, yscale="log")
+    for key, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="." if len(xs) < 60 else None, label=LABELS.get(key, key))
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, yscale=yscale)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     return _save(fig, plt, name)

@@ -375,13 +375,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hf-stride", type=int, default=50, help="HF: time every k-th turn between the windows")
     parser.add_argument("--hf-late-stride", type=int, default=5, help="HF: time every k-th turn of the late window")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="smoke test: 12 turns")
-    parser.add_argument("--name", help="results file stem under bench/results/ (default long_session, or long_session_quick)")
-    args = parser.parse_args()
-    args.name = args.name or ("long_session_quick" if args.quick else "long_session")
-    if args.quick:
-        args.turns, args.hf_stride = 12, 3
-    return args
+    return common.parse_run_args(parser, "long_session", "12 turns", _quick)
+
+
+def _quick(args: argparse.Namespace) -> None:
+    args.turns, args.hf_stride = 12, 3
 
 
 def main() -> None:

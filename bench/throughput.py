@@ -212,25 +212,20 @@ def _log(what: str, by_system: dict[str, Any]) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=_ints, default=[512, 2048, 8192], help="prefill lengths, e.g. 512,2048")
-    parser.add_argument("--batches", type=_ints, default=[1, 4, 16], help="decode batch sizes, e.g. 1,4")
+    parser.add_argument("--lengths", type=common.ints, default=[512, 2048, 8192], help="prefill lengths, e.g. 512,2048")
+    parser.add_argument("--batches", type=common.ints, default=[1, 4, 16], help="decode batch sizes, e.g. 1,4")
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt ids per sequence for decode")
     parser.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per sequence for decode")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median)")
     parser.add_argument("--peers", default="kiln,hf,llamacpp", help="comma-separated subset of kiln,hf,llamacpp")
-    parser.add_argument("--quick", action="store_true", help="smoke test: lengths 128,256, batches 1,4, 16 tokens, 2 repeats")
-    parser.add_argument("--name", help="results file stem under bench/results/ (default throughput, or throughput_quick)")
-    args = parser.parse_args()
-    args.name = args.name or ("throughput_quick" if args.quick else "throughput")
-    if args.quick:
-        args.lengths, args.batches, args.prompt_len, args.decode_tokens, args.repeats = [128, 256], [1, 4], 32, 16, 2
+    args = common.parse_run_args(parser, "throughput", "lengths 128,256, batches 1,4, 16 tokens, 2 repeats", _quick)
     if args.decode_tokens < 2:
         parser.error("--decode-tokens must be at least 2")
     return args
 
 
-def _ints(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part.strip()]
+def _quick(args: argparse.Namespace) -> None:
+    args.lengths, args.batches, args.prompt_len, args.decode_tokens, args.repeats = [128, 256], [1, 4], 32, 16, 2
 
 
 def main() -> None:
