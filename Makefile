@@ -32,6 +32,7 @@ bench: setup
 	$(BIN)/python bench/long_session.py
 	$(BIN)/python bench/prefill_fairness.py
 	$(BIN)/python bench/step_cost.py
+	$(BIN)/python bench/weight_formats.py
 
 proto: setup  ## regenerate the checked-in message module from proto/kiln/v1/runtime.proto
 	$(BIN)/python proto/generate.py

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from kiln.chat import reply_prefix, turn_closer, turn_text
+from kiln.config import WEIGHT_FORMATS
 from kiln.engine.sampler import SamplingParams
 from kiln.errors import KilnError
 from kiln.llm import LLM
@@ -19,6 +20,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-budget-mb", type=int, default=None, help="memory for KV pages, MiB")
     parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    parser.add_argument("--weight-format", choices=WEIGHT_FORMATS, default=None,
+                        help="projections and LM head: float32, or packed fp16 / int8 for faster CPU decode")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="requests batched in one step")
     parser.add_argument("--max-batched-tokens", type=int, default=None, help="tokens in one step")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None, help="most tokens of one prompt per step")
@@ -40,6 +43,7 @@ def _llm(args: argparse.Namespace) -> LLM:
     options: dict[str, object] = {
         "page_size": args.page_size,
         "dtype": args.dtype,
+        "weight_format": args.weight_format,
         "max_num_seqs": args.max_num_seqs,
         "max_batched_tokens": args.max_batched_tokens,
         "prefill_chunk_tokens": args.prefill_chunk_tokens,

@@ -9,6 +9,8 @@ import torch
 from kiln.errors import InvalidArgumentError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# How the projections and the LM head are stored (kiln/models/packed.py): fp32, or fbgemm fp16 / int8.
+WEIGHT_FORMATS = ("float32", "fp16", "int8")
 
 
 @dataclass(frozen=True)
@@ -16,14 +18,18 @@ class EngineConfig:
     model: str | None = None  # HF-style directory or .gguf file; None = the embedded Gemma 3 270M
     device: str = "cpu"
     dtype: str = "float32"  # weights and activations
+    # Projections and LM head packed for CPU decode, which is bound by reading weights: "fp16" halves the
+    # bytes per token (same greedy tokens), "int8" quarters them (embedded model perplexity +27 %).
+    # Needs dtype float32 and device cpu (kiln/models/packed.py).
+    weight_format: str = "float32"
     kv_dtype: str | None = None  # KV pages; None = same as dtype
     page_size: int = 16  # tokens per KV page
     kv_budget_bytes: int = 2 * 1024**3  # memory for KV pages; the pool is sized from it at start
     max_num_seqs: int = 32  # requests in one step
     max_batched_tokens: int = 1024  # tokens in one step (decode rows count 1)
     # Most tokens of one prompt a step computes. Longer prompts are prefilled in chunks, so steps stay
-    # short and a request arriving meanwhile gets its first token within about two steps; on the 2-core
-    # CPU 256 costs ~3 % of prefill throughput against 1024 (bench/prefill_fairness.py).
+    # short and a request arriving meanwhile gets its first token within about two steps. A 4k prompt
+    # alone took 3 % longer at 256 than at 1024 on the 2-core CPU; bench/prefill_fairness.py compares both.
     prefill_chunk_tokens: int = 256
     max_model_len: int | None = None  # longest history; None = the model's context length
     max_sessions: int = 4096  # live sessions; the least recently used idle one is evicted past this
@@ -40,6 +46,13 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value not in DTYPES:
                 problems.append(f"{name} must be one of {sorted(DTYPES)}, got {value!r}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            problems.append(f"weight_format must be one of {list(WEIGHT_FORMATS)}, got {self.weight_format!r}")
+        elif self.weight_format != "float32" and (self.dtype != "float32" or self.device.split(":")[0] != "cpu"):
+            problems.append(
+                f"weight_format {self.weight_format!r} needs dtype 'float32' and device 'cpu' (got {self.dtype!r} "
+                f"on {self.device!r}): its fbgemm kernels run on the CPU only and take float32 activations"
+            )
         if self.session_ttl_s <= 0:
             problems.append("session_ttl_s must be positive")
         if problems:

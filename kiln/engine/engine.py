@@ -33,7 +33,7 @@ from kiln.kv.cache import KVCache, PoolUsage
 from kiln.kv.format import KVFormat, dtype_name
 from kiln.kv.layout import KVLayout
 from kiln.kv.pages import PageTable
-from kiln.models import build_model
+from kiln.models import build_model, pack_weights
 from kiln.models.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -60,12 +60,14 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model = build_model(loaded.config, dtype=config.torch_dtype, device=config.device)
         self.model.load_weights(loaded.tensors)
+        pack_weights(self.model, config.weight_format)
         layout = KVLayout.for_model(loaded.config, config.page_size)
         kv_dtype = config.torch_kv_dtype
         num_pages = config.kv_budget_bytes // layout.page_bytes(torch.empty(0, dtype=kv_dtype).element_size())
         if num_pages < layout.num_groups:
             raise InvalidArgumentError(f"kv_budget_bytes {config.kv_budget_bytes} holds fewer pages than one token needs")
-        kv_format = KVFormat(loaded.fingerprint, dtype_name(config.torch_dtype), dtype_name(kv_dtype), "raw", config.page_size)
+        weights = f"{dtype_name(config.torch_dtype)}/{config.weight_format}"
+        kv_format = KVFormat(loaded.fingerprint, weights, dtype_name(kv_dtype), "raw", config.page_size)
         self._cache = KVCache(layout, num_pages, kv_dtype, config.device, kv_format)
         self._runner = ModelRunner(self.model, self._cache.storage)
         self._sampler = Sampler()

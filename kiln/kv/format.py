@@ -1,7 +1,7 @@
 """KVFormat: everything that decides the bytes of a KV page, hashed into the prefix-chain salt.
 
 A page written by one engine may be matched by another only if both would have computed the same
-bytes: same model weights, same weight and KV dtypes, same encoding, page size and page layout. Pages
+bytes: same model weights in the same format and dtype, same KV dtype, same encoding, page size and page layout. Pages
 that leave the process (snapshots, tiers) carry this fingerprint, so a different engine never reads them.
 """
 
@@ -18,7 +18,7 @@ LAYOUT_VERSION = 1  # bump when the order of bytes inside a page changes
 @dataclass(frozen=True)
 class KVFormat:
     model_fingerprint: str  # the loaded weights' fingerprint (content hash of the checkpoint)
-    weight_dtype: str  # activations are computed in this dtype, so K/V depend on it
+    weights: str  # compute dtype and weight format ("float32/fp16"): K/V depend on both
     kv_dtype: str
     encoding: str  # how a page's values are stored: "raw" (the KV dtype as is)
     page_size: int
