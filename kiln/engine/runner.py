@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -43,7 +44,7 @@ class ModelRunner:
         device = self.storage.data.device
         slices = [self._slice(c.seq, c.num_tokens) for c in chunks]
         lengths = [c.num_tokens for c in chunks]
-        ends = torch.cumsum(torch.tensor(lengths), 0).tolist()
+        ends = list(accumulate(lengths))
         rows = [row for c, end in zip(chunks, ends, strict=True) for row in range(end - c.logit_rows, end)]
         kv = KVStep(self.storage, slices, self.workspace)
         return StepInputs(

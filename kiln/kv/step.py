@@ -9,6 +9,8 @@ not be a prefix of its history: a policy may keep sink pages and a recent window
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import torch
@@ -53,9 +55,7 @@ class Workspace:
         self._k = self._v = torch.empty(0)
 
     def take(self, shape: tuple[int, ...], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        needed = 1
-        for size in shape:
-            needed *= size
+        needed = math.prod(shape)
         if self._k.numel() < needed or self._k.dtype != like.dtype or self._k.device != like.device:
             self._k = torch.empty(needed, dtype=like.dtype, device=like.device)
             self._v = torch.empty(needed, dtype=like.dtype, device=like.device)
@@ -69,7 +69,7 @@ class KVStep:
         self.storage = storage
         self.layout: KVLayout = storage.layout
         self.workspace = workspace or Workspace()
-        self.layer_slots = self.layout.layer_slots()
+        self.layer_slots = storage.layer_slots
         device = storage.data.device
         max_q = max(s.num_tokens for s in slices)
         # Padding queries repeat the sequence's last query: same mask row, never a fully masked row.
@@ -93,9 +93,11 @@ class KVStep:
             mask &= key_pos[:, None, :] > q - window
         pages, offsets = [], []
         for s in slices:
-            where = {index: page for index, page in zip(s.page_indices[g], s.pages[g], strict=True)}
+            # The pages new tokens go to end the slice's list, one per index: find the first by bisection
+            # rather than mapping every listed page (the list grows with history, a step's tokens do not).
+            first = bisect_left(s.page_indices[g], s.start // ps)
             for position in range(s.start, s.start + s.num_tokens):
-                pages.append(where[position // ps])
+                pages.append(s.pages[g][first + position // ps - s.start // ps])
                 offsets.append(position % ps)
         rows = self.storage.row_base(torch.tensor(pages, device=device), torch.tensor(offsets, device=device))
         return _GroupStep(rows, block_table, mask)

@@ -18,6 +18,7 @@ class PageStorage:
         if num_pages < 1:
             raise ValueError("a page pool needs at least one page")
         self.layout = layout
+        self.layer_slots = layout.layer_slots()  # (group, slot) of each model layer, read by every step
         self.num_pages = num_pages
         self.data = torch.zeros(
             (num_pages, 2, layout.slots, layout.page_size, layout.num_kv_heads, layout.head_dim), dtype=dtype, device=device
