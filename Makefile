@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: run chat test bench lint setup model proto clean
+.PHONY: run chat test test-ts peer-test bench lint setup model proto clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -23,8 +23,17 @@ chat: model  ## interactive chat in process, with per-turn cache statistics
 	$(BIN)/kiln chat
 
 test: model
-	$(BIN)/ruff check kiln tests bench
+	$(BIN)/ruff check kiln tests bench peer
 	$(BIN)/python -m pytest -q
+	$(MAKE) test-ts
+
+test-ts: setup  ## the TypeScript SDK: node_modules from its lockfile, then its tests against a tiny `kiln serve`
+	cd sdk/typescript && npm ci --no-audit --no-fund && npm test
+
+peer-test: model  ## LangChain's standard chat-model suite (ChatOpenAI) against a `kiln serve` it starts
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,peer]'
+	$(BIN)/python -m pytest -q -p no:cacheprovider -o asyncio_mode=auto -o asyncio_default_fixture_loop_scope=session \
+		-o asyncio_default_test_loop_scope=session peer  # one loop: ChatOpenAI shares its async client between tests
 
 bench: setup
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,bench]'
@@ -33,12 +42,17 @@ bench: setup
 	$(BIN)/python bench/prefill_fairness.py
 	$(BIN)/python bench/step_cost.py
 	$(BIN)/python bench/weight_formats.py
+	$(BIN)/python bench/kernels.py
+	$(BIN)/python bench/speculation.py
+	$(BIN)/python bench/agents.py
+	$(BIN)/python bench/structured.py
 
-proto: setup  ## regenerate the checked-in message module from proto/kiln/v1/runtime.proto
+proto: setup  ## regenerate the checked-in Python and TypeScript message modules from proto/kiln/v1/runtime.proto
 	$(BIN)/python proto/generate.py
+	cd sdk/typescript && npm ci --no-audit --no-fund --ignore-scripts && npm run proto
 
 lint: setup
-	$(BIN)/ruff check kiln tests bench
+	$(BIN)/ruff check kiln tests bench peer
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -25,9 +25,12 @@ import torch
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
-SYSTEMS = ("kiln", "kiln-grpc", "kiln-http", "hf", "llamacpp")
+SYSTEMS = ("kiln", "kiln-nospec", "kiln-exact", "kiln-deterministic", "kiln-grpc", "kiln-http", "hf", "llamacpp")
 LABELS = {
     "kiln": "Kiln (in process)",
+    "kiln-nospec": "Kiln (in process, no speculation)",
+    "kiln-exact": "Kiln (fp32 weights, quantization=None)",
+    "kiln-deterministic": "Kiln (deterministic mode)",
     "kiln-grpc": "Kiln over gRPC (SDK session)",
     "kiln-http": "Kiln over OpenAI HTTP (prefix cache)",
     "hf": "HF transformers",
@@ -36,6 +39,9 @@ LABELS = {
 # The module each system needs and the package (from the `bench` extra) that provides it.
 _REQUIREMENTS = {
     "kiln": ("kiln", "kiln"),
+    "kiln-nospec": ("kiln", "kiln"),
+    "kiln-exact": ("kiln", "kiln"),
+    "kiln-deterministic": ("kiln", "kiln"),
     "kiln-grpc": ("grpc", "grpcio"),
     "kiln-http": ("openai", "openai"),
     "hf": ("transformers", "transformers"),
@@ -104,12 +110,33 @@ def load_reference():  # noqa: ANN201 - kiln.models.loader.LoadedModel, imported
     return load_model()
 
 
-def start(peers: str) -> tuple[list[str], dict[str, Any], Any]:
+def random_reference(entry: str):  # noqa: ANN201 - kiln.models.loader.LoadedModel, imported lazily
+    """A model shaped as the converted-weight cache entry `entry` describes (its config.json and tokenizer
+    files; the weights may be absent), with transformers' random initialisation. For speed measurements
+    where the real weights cannot be had: compute does not depend on the weights' values."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kiln.models.hf_config import hf_config_dict
+    from kiln.models.loader import LoadedModel
+    from kiln.models.weight_cache import read_description
+
+    config, tokenizer = read_description(Path(entry))
+    settings = hf_config_dict(config)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(settings.pop("model_type"), **settings), dtype=torch.float32)
+    tensors = {name: t for name, t in hf.state_dict().items() if name != "lm_head.weight" or not config.tie_word_embeddings}
+    return LoadedModel(config, tensors, tokenizer, Path(entry), "random-weights")
+
+
+def start(peers: str, random_weights: str | None = None) -> tuple[list[str], dict[str, Any], Any]:
     """What every benchmark does first: the same threads for every system, a warning when the machine is
-    busy, then (systems to run, machine description, the embedded model's weights)."""
+    busy, then (systems to run, machine description, the embedded model's weights, or random weights of
+    the shape a cache entry describes)."""
     set_threads()
     warn_if_busy()
-    return parse_systems(peers), machine_info(), load_reference()
+    return parse_systems(peers), machine_info(), random_reference(random_weights) if random_weights else load_reference()
 
 
 def random_ids(count: int, seed: int) -> list[int]:
@@ -130,6 +157,37 @@ def summarize(values: Sequence[float]) -> dict[str, float | int | None]:
     if not values:
         return {"median": None, "min": None, "max": None, "n": 0}
     return {"median": median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def read_bandwidth_gb_s(repeats: int = 5) -> float:
+    """Memory read bandwidth with the benchmark's threads: the median rate of summing a 1 GiB float32
+    tensor (far larger than any cache), in GB/s. Decode reads every weight once per token, so weight
+    bytes per token over this is the fastest decode the memory allows."""
+    data = torch.ones(2**28)
+    data.sum()
+    rates = []
+    for _ in range(repeats):
+        seconds, _ = timed(data.sum)
+        rates.append(data.nbytes / seconds / 1e9)
+    return median(rates)
+
+
+def weight_bytes_per_token(model: Any) -> int:
+    """Bytes of the projections and the LM head one decode step reads (a kiln CausalLM): quantised sizes,
+    or the fp32 matrices (a tied fp32 head reads the whole embedding table)."""
+    from torch import nn
+
+    from kiln.models.quant import QuantizedLinear
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            total += module.nbytes
+        elif isinstance(module, nn.Linear):
+            total += sum(p.nbytes for p in module.parameters())
+    if model.lm_head is None:
+        total += model.model.embed_tokens.weight.nbytes
+    return total
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -240,7 +298,7 @@ def plot_bars(name: str, panels: list[tuple[str, list[str], dict[str, list[float
         width = 0.8 / max(len(values), 1)
         for k, (system, ys) in enumerate(values.items()):
             xs = [g + (k - (len(values) - 1) / 2) * width for g in range(len(groups))]
-            bars = ax.bar(xs, [float("nan") if y is None else y for y in ys], width, label=LABELS[system])
+            bars = ax.bar(xs, [float("nan") if y is None else y for y in ys], width, label=LABELS.get(system, system))
             ax.bar_label(bars, labels=[f"{y:.3g}" if y is not None else "n/a" for y in ys], fontsize=7)
         ax.set_xticks(range(len(groups)), groups)
         ax.set(ylabel=ylabel)

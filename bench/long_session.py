@@ -5,7 +5,9 @@ One scripted conversation (deterministic agent/tool text, tokenized once with Ki
 `--gen-tokens` greedy tokens, which join that system's own history. Latency is wall time from handing
 over the new ids to the last generated token.
 
-- kiln: one session; each turn computes only the ids its pages do not hold yet.
+- kiln: one session; each turn computes only the ids its pages do not hold yet (default engine: int8
+  weights, n-gram speculative decoding).
+- kiln-nospec: the same with speculative decoding off (EngineConfig.speculative=None).
 - kiln-grpc: the same through `kiln serve` and the Python SDK (append ids, stream the generate), so the
   difference to `kiln` is the per-token cost of gRPC streaming.
 - kiln-http: an OpenAI-style client against `kiln serve`: every turn re-sends the whole conversation as
@@ -99,10 +101,10 @@ def scripted_turns(loaded: Any, turns: int, new_tokens: int, seed: int) -> list[
 class KilnRunner:
     """One Kiln session for the whole conversation."""
 
-    def __init__(self, loaded: Any, gen_tokens: int) -> None:
+    def __init__(self, loaded: Any, gen_tokens: int, **options: Any) -> None:
         from kiln import LLM, SamplingParams
 
-        self.llm = LLM(loaded=loaded, num_threads=common.THREADS)
+        self.llm = LLM(loaded=loaded, num_threads=common.THREADS, **options)
         self.params = SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
         self.session = self.llm.create_session()
 
@@ -124,6 +126,8 @@ class KilnRunner:
             "resident_kv_bytes_at_end": info.resident_kv_bytes,
             "resident_kv_bytes_per_history_token_at_end": info.resident_kv_bytes / max(info.history_tokens, 1),
             "engine_config": {k: v for k, v in asdict(self.llm.config).items() if k != "model"},
+            "speculation": {name: getattr(self.llm.engine.stats, f"spec_{name}")
+                            for name in ("verify_steps", "proposed_tokens", "accepted_tokens")},
         }
 
     def close(self) -> None:
@@ -313,6 +317,8 @@ def make_runner(system: str, loaded: Any, args: argparse.Namespace, max_tokens: 
                 kiln_outputs: list[list[int]] | None) -> Any:
     if system == "kiln":
         return KilnRunner(loaded, args.gen_tokens)
+    if system == "kiln-nospec":
+        return KilnRunner(loaded, args.gen_tokens, speculative=None)
     if system == "kiln-grpc":
         return GrpcRunner(args.gen_tokens)
     if system == "kiln-http":
@@ -370,8 +376,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--turns", type=int, default=200)
     parser.add_argument("--new-tokens", type=int, default=50, help="scripted ids appended per turn")
     parser.add_argument("--gen-tokens", type=int, default=24, help="greedy tokens generated per turn")
-    parser.add_argument("--peers", default=",".join(common.SYSTEMS),
-                        help="comma-separated subset of " + ",".join(common.SYSTEMS))
+    parser.add_argument("--peers", default="kiln,kiln-nospec,kiln-grpc,kiln-http,hf,llamacpp",
+                        help="comma-separated subset of kiln,kiln-nospec,kiln-grpc,kiln-http,hf,llamacpp")
     parser.add_argument("--hf-stride", type=int, default=50, help="HF: time every k-th turn between the windows")
     parser.add_argument("--hf-late-stride", type=int, default=5, help="HF: time every k-th turn of the late window")
     parser.add_argument("--seed", type=int, default=0)

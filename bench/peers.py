@@ -51,7 +51,7 @@ def hf_generate(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens
     With `cache` None it computes the whole prompt, which is what HF users get by default."""
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor(prompts),
+            torch.tensor(prompts, device=model.device),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             return_dict_in_generate=True,
@@ -66,6 +66,14 @@ def hf_kv_bytes_per_token(model: torch.nn.Module) -> int:
     config = model.config
     element = next(model.parameters()).element_size()
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
+
+
+def gguf_tensor_bytes(path: str) -> int:
+    """Bytes of all tensor data in a GGUF file (what llama.cpp reads per decoded token when the output
+    head is tied to the token embeddings, as Gemma's is)."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
 
 
 def open_llama(path: str, n_ctx: int) -> Any:
@@ -130,6 +138,39 @@ class LlamaBatchDecoder:
             self._decode(entries)
             for row, out in enumerate(outputs):
                 out.append(self._argmax(row))
+        return outputs
+
+    def start_sessions(self) -> None:
+        """Forget every sequence; `turn` then grows one per agent."""
+        self._api.llama_memory_clear(self._api.llama_get_memory(self._ctx), True)
+        self._lengths = [0] * self.max_seqs
+        self._pending: list[list[int]] = [[] for _ in range(self.max_seqs)]
+
+    def turn(self, new_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """One agent turn for sequences 0..len(new_ids)-1 in lockstep: every sequence's new ids (and the
+        last token it generated, not yet computed) in shared llama_decode batches, then `max_tokens`
+        greedy tokens of all of them, one llama_decode per step."""
+        entries: list[tuple[int, int, int, bool]] = []
+        last_row: dict[int, int] = {}
+        for seq, ids in enumerate(new_ids):
+            ids = [*self._pending[seq], *ids]
+            entries += [(token, self._lengths[seq] + i, seq, i == len(ids) - 1) for i, token in enumerate(ids)]
+            self._lengths[seq] += len(ids)
+        outputs: list[list[int]] = [[] for _ in new_ids]
+        for start in range(0, len(entries), LLAMA_N_BATCH):
+            part = entries[start : start + LLAMA_N_BATCH]
+            self._decode(part)
+            last_row.update({seq: row for row, (_, _, seq, wants) in enumerate(part) if wants})
+            for seq, row in list(last_row.items()):
+                if not outputs[seq]:
+                    outputs[seq].append(self._argmax(row))
+            last_row.clear()
+        for _ in range(1, max_tokens):
+            self._decode([(out[-1], self._lengths[seq], seq, True) for seq, out in enumerate(outputs)])
+            for seq, out in enumerate(outputs):
+                self._lengths[seq] += 1
+                out.append(self._argmax(seq))
+        self._pending = [[out[-1]] for out in outputs] + self._pending[len(outputs) :]
         return outputs
 
     def _prefill(self, seq: int, prompt: list[int]) -> int:

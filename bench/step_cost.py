@@ -10,7 +10,8 @@ to the shortest. A step whose cost grows with the history by more than the atten
 shows here.
 
 Breakdown (timers wrapped around the engine's own methods, when it has them): `forward` is the model
-runner's forward (attention and the LM head included), `sample` the sampler, `prepare` building the
+runner's forward, split into `attention` (every layer's paged attention call, K/V writes included),
+`lm_head` (the logits) and `layers_other` (projections, norms, MLPs), `sample` the sampler, `prepare` building the
 step's inputs from the page tables, `step_other` the rest of the engine step (scheduling, committing
 pages, emitting), `bookkeeping` the step less forward and sampling, `outside_step` the rest of the turn (session append, submit, the hand-off between
 threads, the invariant check after the turn: `check` is that check alone).
@@ -19,6 +20,7 @@ threads, the invariant check after the turn: `check` is that check alone).
 from __future__ import annotations
 
 import argparse
+import importlib
 import threading
 import time
 from collections import defaultdict
@@ -35,6 +37,8 @@ PROBES = {
     "step": ("engine.step",),
     "prepare": ("engine._runner.prepare", "engine.runner.slice_for"),
     "forward": ("engine._runner.run", "engine.runner.run"),
+    "attention": ("module:kiln.models.layers.paged_attention",),
+    "lm_head": ("engine.model.logits",),
     "sample": ("engine._sample",),
     "check": ("engine.check_sequence",),
 }
@@ -87,7 +91,12 @@ class Probe:
 
 
 def _owner(root: Any, path: str) -> Any:
-    """The object holding the method `path` ("a.b.method") names, or None if there is no such method."""
+    """The object holding the method `path` ("a.b.method", from the LLM; "module:pkg.mod.function", a
+    module's global) names, or None if there is no such method."""
+    if path.startswith("module:"):
+        module, name = path.removeprefix("module:").rsplit(".", 1)
+        owner = importlib.import_module(module)
+        return owner if callable(getattr(owner, name, None)) else None
     *parents, name = path.split(".")
     owner = root
     for part in parents:
@@ -98,7 +107,10 @@ def _owner(root: Any, path: str) -> Any:
 def breakdown_ms(latency_s: float, totals: dict[str, float]) -> dict[str, float | None]:
     """One turn's milliseconds by part ("<part>_ms"); None for a part whose probe is missing."""
     step = totals.get("step")
-    parts = {f"{label}_ms": 1000 * totals[label] if label in totals else None for label in ("prepare", "forward", "sample", "check")}
+    parts = {f"{label}_ms": 1000 * totals[label] if label in totals else None
+             for label in ("prepare", "forward", "attention", "lm_head", "sample", "check")}
+    # The forward less attention and the LM head: the layers' projections, norms and MLPs.
+    parts["layers_other_ms"] = 1000 * (totals.get("forward", 0.0) - totals.get("attention", 0.0) - totals.get("lm_head", 0.0))
     inner = sum(totals.get(label, 0.0) for label in ("prepare", "forward", "sample"))
     parts["step_ms"] = None if step is None else 1000 * step
     parts["step_other_ms"] = None if step is None else 1000 * (step - inner)

@@ -34,11 +34,13 @@ _SEED_BASE = 1_000
 
 
 class KilnSystem:
-    def __init__(self, loaded: Any) -> None:
+    """Kiln in process without speculation (decode speed as such); `options` pick a variant."""
+
+    def __init__(self, loaded: Any, device: str, **options: Any) -> None:
         from kiln import LLM, SamplingParams
 
         self._params = SamplingParams
-        self.llm = LLM(loaded=loaded, num_threads=common.THREADS)
+        self.llm = LLM(loaded=loaded, num_threads=common.THREADS, speculative=None, device=device, **options)
 
     def prefill(self, ids: list[int]) -> None:
         self.generate([ids], 1)
@@ -50,15 +52,16 @@ class KilnSystem:
     def notes(self) -> dict[str, Any]:
         config = asdict(self.llm.config)
         config.pop("model")
-        return {"kv_bytes_per_token": self.llm.engine.kv_bytes_per_token, "kv_bytes_how": "Engine.kv_bytes_per_token", "engine_config": config}
+        return {"kv_bytes_per_token": self.llm.engine.kv_bytes_per_token, "kv_bytes_how": "Engine.kv_bytes_per_token",
+                "engine_config": config, "weight_bytes_per_token": common.weight_bytes_per_token(self.llm.engine.model)}
 
     def close(self) -> None:
         self.llm.close()
 
 
 class HFSystem:
-    def __init__(self, loaded: Any) -> None:
-        self.model = peers.build_hf_model(loaded)
+    def __init__(self, loaded: Any, device: str) -> None:
+        self.model = peers.build_hf_model(loaded).to(device)
 
     def prefill(self, ids: list[int]) -> None:
         self.generate([ids], 1)
@@ -81,6 +84,7 @@ class HFSystem:
 class LlamaCppSystem:
     def __init__(self, loaded: Any, max_batch: int, max_prompt: int, seq_len: int) -> None:
         self.config = loaded.config
+        self.weight_bytes = peers.gguf_tensor_bytes(str(loaded.source))
         self.llama = peers.open_llama(str(loaded.source), max_prompt + 8)
         self.batched = peers.LlamaBatchDecoder(self.llama, max_batch, seq_len)
 
@@ -96,6 +100,9 @@ class LlamaCppSystem:
             "kv_bytes_per_token": peers.llama_kv_bytes_per_token(self.llama, self.config),
             "kv_bytes_how": "2 x layers x kv_heads x head_dim x bytes of the context's type_k/type_v (f16)",
             "weights": "Q4_K_M GGUF with llama.cpp's quantised kernels",
+            "weight_bytes_per_token": self.weight_bytes,
+            "weight_bytes_how": "every tensor byte of the GGUF: the output head is tied to the token embeddings, so a "
+                                "decode step reads the whole table",
             "decode_api": "llama.cpp C API batched decode (one llama_decode per step for all sequences), greedy argmax",
             "prefill_api": "Llama.eval (n_batch 2048, n_ubatch 512)",
         }
@@ -107,9 +114,13 @@ class LlamaCppSystem:
 
 def make_system(name: str, loaded: Any, args: argparse.Namespace) -> Any:
     if name == "kiln":
-        return KilnSystem(loaded)
+        return KilnSystem(loaded, args.device)
+    if name == "kiln-exact":
+        return KilnSystem(loaded, args.device, quantization=None)
+    if name == "kiln-deterministic":
+        return KilnSystem(loaded, args.device, deterministic=True)
     if name == "hf":
-        return HFSystem(loaded)
+        return HFSystem(loaded, args.device)
     return LlamaCppSystem(loaded, max(args.batches), max(args.lengths), args.prompt_len + args.decode_tokens + 8)
 
 
@@ -217,7 +228,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt ids per sequence for decode")
     parser.add_argument("--decode-tokens", type=int, default=64, help="tokens generated per sequence for decode")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median)")
-    parser.add_argument("--peers", default="kiln,hf,llamacpp", help="comma-separated subset of kiln,hf,llamacpp")
+    parser.add_argument("--device", default="cpu", help="torch device of Kiln and HF (llama.cpp runs on the CPU)")
+    parser.add_argument("--random-weights", metavar="ENTRY",
+                        help="random weights shaped as this converted-weight cache entry describes, instead of the "
+                             "embedded model (for machines the model file cannot reach; speed does not depend on values)")
+    parser.add_argument("--peers", default="kiln,kiln-exact,kiln-deterministic,hf,llamacpp",
+                        help="comma-separated subset of kiln,kiln-exact,kiln-deterministic,hf,llamacpp")
     args = common.parse_run_args(parser, "throughput", "lengths 128,256, batches 1,4, 16 tokens, 2 repeats", _quick)
     if args.decode_tokens < 2:
         parser.error("--decode-tokens must be at least 2")
@@ -230,7 +246,7 @@ def _quick(args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
-    systems, machine, loaded = common.start(args.peers)
+    systems, machine, loaded = common.start(args.peers, args.random_weights)
     results: dict[str, Any] = {}
     for name in systems:
         reason = common.missing_reason(name)
@@ -241,13 +257,31 @@ def main() -> None:
     report(args, machine, {name: results[name] for name in systems})
 
 
+def _prefill_tps(results: dict[str, Any], system: str, length: int) -> float | None:
+    return results.get(system, {}).get("prefill", {}).get(str(length), {}).get("tokens_per_s")
+
+
 def _decode_tps(results: dict[str, Any], system: str, batch: int) -> float | None:
     return results.get(system, {}).get("decode", {}).get(str(batch), {}).get("tokens_per_s")
+
+
+def bandwidth_use(results: dict[str, Any], bandwidth: float) -> dict[str, Any]:
+    """Per system: weight bytes read per decoded token, and batch-1 decode as a fraction of the fastest
+    the measured read bandwidth allows for those bytes."""
+    out = {}
+    for name, r in results.items():
+        size = r.get("notes", {}).get("weight_bytes_per_token")
+        tps = _decode_tps(results, name, 1)
+        if size and tps:
+            out[name] = {"weight_bytes_per_token": size, "bandwidth_limit_tokens_per_s": bandwidth * 1e9 / size,
+                         "fraction_of_limit": tps * size / (bandwidth * 1e9)}
+    return out
 
 
 def report(args: argparse.Namespace, machine: dict[str, Any], results: dict[str, Any]) -> None:
     kiln_b1 = _decode_tps(results, "kiln", 1)
     vs_hf = common.ratio(kiln_b1, _decode_tps(results, "hf", 1))
+    bandwidth = common.read_bandwidth_gb_s() if args.device == "cpu" else None  # CPU memory: a GPU's is another story
     payload = {
         "benchmark": "throughput",
         "machine": machine,
@@ -263,7 +297,13 @@ def report(args: argparse.Namespace, machine: dict[str, Any], results: dict[str,
             "kiln_over_hf_decode_batch1_min": 1.0,
             "met": None if vs_hf is None else vs_hf >= 1.0,
             "kiln_over_llamacpp_decode_batch1": common.ratio(kiln_b1, _decode_tps(results, "llamacpp", 1)),
+            "kiln_over_llamacpp_decode_batch1_min": 1.0,
+            "deterministic_cost_decode_batch1": common.ratio(_decode_tps(results, "kiln-deterministic", 1), kiln_b1),
+            "deterministic_cost_prefill": {str(n): common.ratio(_prefill_tps(results, "kiln-deterministic", n), _prefill_tps(results, "kiln", n))
+                                           for n in args.lengths},
         },
+        "read_bandwidth_gb_s": bandwidth,
+        "bandwidth_use": bandwidth_use(results, bandwidth) if bandwidth else None,
         "systems": results,
     }
     path = common.write_results(args.name, payload)

@@ -1,16 +1,21 @@
-"""Weight formats on the embedded Gemma 3 270M: decode speed, prefill speed, weight bytes and perplexity
-of `weight_format` float32 / fp16 / int8 (kiln/models/packed.py).
+"""Weight formats on the embedded Gemma 3 270M: decode speed, prefill speed, weight bytes, perplexity,
+greedy agreement and a needle question, for `quantization` None ("exact") / int8 / int4
+(kiln/models/quant.py).
 
 - decode: one fresh session per run, a short prompt, `--decode-tokens` greedy tokens; tokens/s after the
   first token, median of `--repeats` runs after one untimed warm-up. The formats' engines all live at
   once and take turns run by run, so load from other processes on a shared machine hits each alike.
 - prefill: `--prefill-tokens` over the time to first token of a session of that many seeded ids (new ids
   every run, so nothing comes from the prefix cache), median of the repeats.
-- weight bytes: what one decode step reads from the projections and the LM head (the packed sizes, or
-  the fp32 matrices).
-- perplexity: teacher-forced over the first `--ppl-tokens` tokens of this repository's README.md and
-  bench/README.md (so it moves when they change), run through the engine's own pieces (KV cache,
-  ModelRunner) in `--ppl-chunk`-token chunks, every position's logits kept.
+- weight bytes: what one decode step reads from the projections and the LM head (the quantised sizes,
+  or the fp32 matrices).
+- perplexity: teacher-forced over the first `--ppl-tokens` tokens of bench/data/perplexity.txt (a fixed
+  text: the Apache License 2.0, then CPython's textwrap.py), run through the engine's own pieces (KV
+  cache, ModelRunner) in `--ppl-chunk`-token chunks, every position's logits kept.
+- greedy agreement: tokens generated before the first that differs from the exact path's, on the
+  embedded-model test prompts (tests/test_embedded.py), 32 tokens each.
+- needle: a fact stated once in ~600 tokens of unrelated text, then asked for; answered when the
+  greedy reply holds it.
 
 Writes bench/results/weight_formats.json and .png. `--quick`: 2 repeats, 16 decode tokens, 512
 perplexity tokens.
@@ -25,36 +30,28 @@ from typing import Any
 
 import common
 import torch
-from torch import nn
 
 from kiln import LLM
-from kiln.config import WEIGHT_FORMATS
 from kiln.engine.runner import Chunk, ModelRunner
 from kiln.engine.sequence import Sequence
 from kiln.kv.cache import KVCache
 from kiln.kv.format import KVFormat, dtype_name
 from kiln.kv.layout import KVLayout
 from kiln.kv.pages import PageTable
-from kiln.models import build_model, pack_weights
+from kiln.models import build_model, quantize_model
 from kiln.models.causal_lm import CausalLM
-from kiln.models.packed import PackedLinear
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"
-PPL_TEXT = ("README.md", "bench/README.md")
-
-
-def matrix_bytes(model: CausalLM) -> int:
-    """Bytes of the projections and the LM head one decode step reads."""
-    total = 0
-    for module in model.modules():
-        if isinstance(module, PackedLinear):
-            total += module.nbytes
-        elif isinstance(module, nn.Linear):
-            total += sum(p.nbytes for p in module.parameters())
-    if model.lm_head is None:  # tied fp32 head: the embedding table is read whole
-        total += model.model.embed_tokens.weight.nbytes
-    return total
+PPL_TEXT = "bench/data/perplexity.txt"
+FORMATS = {"exact": None, "int8": "int8", "int4": "int4"}  # label -> EngineConfig.quantization
+AGREEMENT_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea, there lived",
+]
+NEEDLE = "The code for the blue locker is 4719."
+NEEDLE_FILLER = "The weather report said light rain in the morning, clearing later, with a gentle wind from the west. "
 
 
 def speed(llms: dict[str, LLM], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -91,9 +88,9 @@ def speed(llms: dict[str, LLM], args: argparse.Namespace) -> dict[str, dict[str,
 
 
 @torch.inference_mode()
-def perplexity(loaded, fmt: str, tokens: list[int], chunk: int) -> float:  # noqa: ANN001 - LoadedModel
+def perplexity(loaded, fmt: str | None, tokens: list[int], chunk: int) -> float:  # noqa: ANN001 - LoadedModel
     """exp(mean negative log-likelihood) of tokens[1:] given their prefixes, one chunk per forward."""
-    model = pack_weights(_loaded_model(loaded), fmt)
+    model = quantize_model(_loaded_model(loaded), fmt)
     layout = KVLayout.for_model(loaded.config, 16)
     pages = layout.num_groups * (len(tokens) // 16 + 2)
     kv_format = KVFormat("bench", dtype_name(torch.float32), dtype_name(torch.float32), "raw", 16)
@@ -115,6 +112,22 @@ def perplexity(loaded, fmt: str, tokens: list[int], chunk: int) -> float:  # noq
     return math.exp(nll / count)
 
 
+def greedy(llm: LLM) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(AGREEMENT_PROMPTS, max_tokens=32, temperature=0.0, ignore_eos=True)]
+
+
+def agreement(ours: list[int], reference: list[int]) -> int:
+    """Tokens before the first that differs from the reference's."""
+    return next((i for i, (a, b) in enumerate(zip(ours, reference, strict=True)) if a != b), len(reference))
+
+
+def needle(llm: LLM) -> tuple[bool, str]:
+    filler = NEEDLE_FILLER * 12
+    prompt = f"{filler}{NEEDLE} {filler}Question: what is the code for the blue locker?\nAnswer: The code for the blue locker is"
+    reply = llm.generate(prompt, max_tokens=8, temperature=0.0)[0].text
+    return "4719" in reply, reply
+
+
 def _loaded_model(loaded) -> CausalLM:  # noqa: ANN001 - LoadedModel
     model = build_model(loaded.config)
     model.load_weights(loaded.tensors)
@@ -123,31 +136,40 @@ def _loaded_model(loaded) -> CausalLM:  # noqa: ANN001 - LoadedModel
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS))
+    parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prefill-tokens", type=int, default=512)
-    parser.add_argument("--ppl-tokens", type=int, default=2048)
+    parser.add_argument("--ppl-tokens", type=int, default=4096)
     parser.add_argument("--ppl-chunk", type=int, default=256)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.decode_tokens, args.ppl_tokens = 2, 16, 512
     _, machine, loaded = common.start("kiln")
-    text = "\n\n".join((ROOT / name).read_text() for name in PPL_TEXT)
-    ppl_tokens = loaded.tokenizer.encode(text)[: args.ppl_tokens]
+    ppl_tokens = loaded.tokenizer.encode((ROOT / PPL_TEXT).read_text())[: args.ppl_tokens]
     formats = args.formats.split(",")
     llms = {
-        fmt: LLM(loaded=loaded, weight_format=fmt, kv_budget_bytes=256 * 1024**2, num_threads=common.THREADS)
+        fmt: LLM(loaded=loaded, quantization=FORMATS[fmt], speculative=None, kv_budget_bytes=256 * 1024**2,
+                 num_threads=common.THREADS)
         for fmt in formats
     }
     results = speed(llms, args)
+    reference = greedy(llms["exact"]) if "exact" in llms else None
     for fmt, llm in llms.items():
-        results[fmt]["weight_bytes_per_decode_step"] = matrix_bytes(llm.engine.model)
+        results[fmt]["weight_bytes_per_decode_step"] = common.weight_bytes_per_token(llm.engine.model)
+        outputs = greedy(llm)
+        if reference is not None:
+            results[fmt]["greedy_agreement_tokens"] = [agreement(o, r) for o, r in zip(outputs, reference, strict=True)]
+        results[fmt]["needle_answered"], results[fmt]["needle_reply"] = needle(llm)
         llm.close()
     del llms
     for fmt in formats:
-        results[fmt]["perplexity"] = perplexity(loaded, fmt, ppl_tokens, args.ppl_chunk)
+        results[fmt]["perplexity"] = perplexity(loaded, FORMATS[fmt], ppl_tokens, args.ppl_chunk)
+    if "exact" in results:
+        for fmt in formats:
+            results[fmt]["perplexity_vs_exact"] = results[fmt]["perplexity"] / results["exact"]["perplexity"] - 1
+    for fmt in formats:
         print(fmt, results[fmt], flush=True)
     name = "weight_formats_quick" if args.quick else "weight_formats"
     payload = {
@@ -169,7 +191,7 @@ def plot(name: str, results: dict[str, Any]) -> None:
         ("decode tokens/s (batch 1)", [results[f]["decode_tokens_per_s"]["median"] for f in formats]),
         ("prefill tokens/s", [results[f]["prefill_tokens_per_s"]["median"] for f in formats]),
         ("weight MB read per decode step", [results[f]["weight_bytes_per_decode_step"] / 1e6 for f in formats]),
-        ("perplexity (README text)", [results[f]["perplexity"] for f in formats]),
+        ("perplexity (bench/data/perplexity.txt)", [results[f]["perplexity"] for f in formats]),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.5))
     for ax, (label, values) in zip(axes, panels, strict=True):

@@ -8,13 +8,18 @@ endpoint and `kiln chat` both need it, and the core never imports the SDK (which
 A conversation is rendered with the model's own jinja chat template when its tokenizer has one (in a
 jinja2 sandbox, as transformers does); otherwise in Gemma's turn format when the vocabulary has turn
 tokens (the embedded base model); otherwise as a plain "Role: text" transcript.
+
+Tools, assistant tool calls and tool results go to a template that handles tools (it uses `tools`)
+as transformers passes them. Any other rendering gets them as text (kiln/tools.py): the tool
+definitions as a system message, calls as `<tool_call>` blocks in the assistant's turn, results as
+`<tool_response>` blocks in a user turn.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 
 import jinja2
@@ -22,11 +27,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kiln.errors import InvalidArgumentError
 from kiln.tokenizer import Tokenizer
+from kiln.tools import Tool, call_text, tool_response_text, tools_prompt
 
 GEMMA_START, GEMMA_END = "<start_of_turn>", "<end_of_turn>"
 ROLE_NAMES = {"assistant": "model", "model": "model", "user": "user", "system": "user"}
-OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_MESSAGE_FIELDS = {"assistant": frozenset({"role", "content", "name", "tool_calls", "refusal"}),
+                   "tool": frozenset({"role", "content", "tool_call_id", "name"})}
+_TEXT_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
+Message = dict[str, object]  # {"role", "content"}, plus "tool_calls" (assistant) or "tool_call_id" (tool)
 
 
 def uses_gemma_turns(tokenizer: Tokenizer) -> bool:
@@ -53,22 +62,50 @@ def turn_closer(tokenizer: Tokenizer, last_token: int | None) -> str:
     return "\n" if last_token == tokenizer.token_to_id(GEMMA_END) else f"{GEMMA_END}\n"
 
 
-def tokens_for_chat(messages: Iterable[Mapping[str, str]], tokenizer: Tokenizer) -> list[int]:
-    """Token ids of a whole conversation, ending with the opening of the model's reply."""
+def tokens_for_chat(messages: Iterable[Message], tokenizer: Tokenizer, tools: Sequence[Tool] = ()) -> list[int]:
+    """Token ids of a whole conversation (messages as from_openai_messages makes them), ending with the
+    opening of the model's reply. `tools`: the functions the model may call."""
     messages = list(messages)
-    if tokenizer.chat_template:
+    template = tokenizer.chat_template
+    if template and ("tools" in template or not (tools or any(_has_tool_parts(m) for m in messages))):
         # the template writes BOS itself, exactly as transformers' apply_chat_template does
-        return tokenizer.encode(render_template(tokenizer.chat_template, messages, tokenizer), add_special_tokens=False)
+        return tokenizer.encode(render_template(template, messages, tokenizer, tools), add_special_tokens=False)
+    messages = as_text_messages(messages, tools)
+    if template:
+        return tokenizer.encode(render_template(template, messages, tokenizer), add_special_tokens=False)
     text = "".join(turn_text(m["role"], m["content"], tokenizer) for m in messages) + reply_prefix(tokenizer)
     return tokenizer.encode(text, add_special_tokens=True)
 
 
-def render_template(template: str, messages: list[Mapping[str, str]], tokenizer: Tokenizer) -> str:
-    """A jinja chat template rendered for generation. Template errors (including the template's own
-    raise_exception, e.g. for a role order it refuses) are INVALID_ARGUMENT."""
+def as_text_messages(messages: Sequence[Message], tools: Sequence[Tool] = ()) -> list[dict[str, str]]:
+    """The conversation with tools, calls and results written out as text (kiln/tools.py's format),
+    for renderings that know nothing of tools."""
+    plain = []
+    for message in messages:
+        content = str(message["content"] or "")
+        if message["role"] == "tool":
+            plain.append({"role": "user", "content": tool_response_text(content)})
+            continue
+        calls = [call_text(call["function"]["name"], json.dumps(call["function"]["arguments"], ensure_ascii=False))
+                 for call in message.get("tool_calls") or ()]  # type: ignore[attr-defined]
+        plain.append({"role": str(message["role"]), "content": "\n".join([content, *calls] if content else calls)})
+    if tools:
+        plain.insert(0, {"role": "system", "content": tools_prompt(tools)})
+    return plain
+
+
+def _has_tool_parts(message: Message) -> bool:
+    return message["role"] == "tool" or bool(message.get("tool_calls"))
+
+
+def render_template(template: str, messages: list[Message], tokenizer: Tokenizer, tools: Sequence[Tool] = ()) -> str:
+    """A jinja chat template rendered for generation (with `tools` as OpenAI function definitions when
+    there are any). Template errors (including the template's own raise_exception, e.g. for a role
+    order it refuses) are INVALID_ARGUMENT."""
     try:
         return _compiled(template).render(
             messages=messages,
+            tools=[{"type": "function", "function": tool.definition()} for tool in tools] or None,
             add_generation_prompt=True,
             bos_token=_token_text(tokenizer, tokenizer.bos_token_id),
             eos_token=_token_text(tokenizer, tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None),
@@ -77,38 +114,71 @@ def render_template(template: str, messages: list[Mapping[str, str]], tokenizer:
         raise InvalidArgumentError(f"the model's chat template refused the conversation: {error}") from None
 
 
-def from_openai_messages(messages: Iterable[object]) -> list[dict[str, str]]:
-    """OpenAI chat messages as plain {role, content} dicts. Content may be a string or a list of text
-    parts (joined); `developer` is a system message; `name` is dropped. Anything else (images, audio,
-    tool calls, tool results) is refused, never silently dropped."""
+def from_openai_messages(messages: Iterable[object]) -> list[Message]:
+    """OpenAI chat messages as {role, content} dicts. Content may be a string or a list of text parts
+    (joined); `developer` is a system message; `name` is dropped. Assistant messages keep their
+    `tool_calls` (arguments parsed into objects, as chat templates expect them) and tool messages their
+    `tool_call_id`. Anything else (images, audio) is refused, never silently dropped."""
     return [_plain_message(index, message) for index, message in enumerate(messages)]
 
 
-def _plain_message(index: int, message: object) -> dict[str, str]:
+def _plain_message(index: int, message: object) -> Message:
     where = f"messages[{index}]"
     if not isinstance(message, Mapping):
-        raise InvalidArgumentError(f"{where} must be an object with role and content")
-    unsupported = sorted(set(message) - _MESSAGE_FIELDS)
-    if unsupported:
-        raise InvalidArgumentError(f"{where}: unsupported field(s) {', '.join(unsupported)} (Kiln chats in text only)")
+        raise InvalidArgumentError(f"{where} must be an object with role and content", where)
     role = message.get("role")
     if not isinstance(role, str) or role not in OPENAI_ROLES:
-        raise InvalidArgumentError(f"{where}: role must be one of {', '.join(OPENAI_ROLES)}, got {role!r}")
-    return {"role": OPENAI_ROLES[role], "content": _text_content(where, message.get("content"))}
+        raise InvalidArgumentError(f"{where}: role must be one of {', '.join(OPENAI_ROLES)}, got {role!r}", f"{where}.role")
+    unsupported = sorted(set(message) - _MESSAGE_FIELDS.get(role, _TEXT_MESSAGE_FIELDS))
+    if unsupported:
+        raise InvalidArgumentError(f"{where}: unsupported field(s) {', '.join(unsupported)} for a {role} message "
+                                   "(Kiln chats in text)", f"{where}.{unsupported[0]}")
+    calls = message.get("tool_calls")
+    content = message.get("content")
+    plain: Message = {"role": OPENAI_ROLES[role],
+                      "content": "" if content is None and calls else _text_content(where, content)}
+    if calls:
+        plain["tool_calls"] = [_tool_call(f"{where}.tool_calls[{i}]", call) for i, call in enumerate(_list(where, calls))]
+    if role == "tool":
+        if not isinstance(message.get("tool_call_id"), str):
+            raise InvalidArgumentError(f"{where}: a tool message needs a string tool_call_id", f"{where}.tool_call_id")
+        plain["tool_call_id"] = message["tool_call_id"]
+    return plain
+
+
+def _list(where: str, calls: object) -> list:
+    if not isinstance(calls, list):
+        raise InvalidArgumentError(f"{where}.tool_calls must be an array", f"{where}.tool_calls")
+    return calls
+
+
+def _tool_call(where: str, call: object) -> dict:
+    """An assistant's earlier call, {"id", "type": "function", "function": {"name", "arguments": {...}}}."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise InvalidArgumentError(f"{where} must be {{type: function, function: {{name, arguments}}}}", where)
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except (TypeError, ValueError):
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise InvalidArgumentError(f"{where}.function.arguments must be a JSON object as text", f"{where}.function.arguments")
+    return {"id": str(call.get("id", "")), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
 def _text_content(where: str, content: object) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InvalidArgumentError(f"{where}: content must be a string or a list of text parts")
+        raise InvalidArgumentError(f"{where}: content must be a string or a list of text parts", f"{where}.content")
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind != "text":
-            raise InvalidArgumentError(f"{where}: content part of type {kind!r} is not supported; only text parts are")
+            raise InvalidArgumentError(f"{where}: content part of type {kind!r} is not supported; only text parts are",
+                                       f"{where}.content")
         if not isinstance(part.get("text"), str):
-            raise InvalidArgumentError(f"{where}: a text part needs a string `text`")
+            raise InvalidArgumentError(f"{where}: a text part needs a string `text`", f"{where}.content")
         texts.append(part["text"])
     return "".join(texts)
 

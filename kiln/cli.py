@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from kiln.chat import reply_prefix, turn_closer, turn_text
-from kiln.config import WEIGHT_FORMATS
+from kiln.config import QUANTIZATIONS, SPECULATIVE_METHODS
 from kiln.engine.sampler import SamplingParams
 from kiln.errors import KilnError
 from kiln.llm import LLM
@@ -20,8 +20,14 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-budget-mb", type=int, default=None, help="memory for KV pages, MiB")
     parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    parser.add_argument("--weight-format", choices=WEIGHT_FORMATS, default=None,
-                        help="projections and LM head: float32, or packed fp16 / int8 for faster CPU decode")
+    parser.add_argument("--quantization", choices=[*QUANTIZATIONS, "none"], default=None,
+                        help="weight-only quantisation of projections and LM head (default auto: int8 on AVX2 CPUs); "
+                        "none = exact weights in --dtype")
+    parser.add_argument("--deterministic", action="store_true", default=None,
+                        help="bit-identical logits whatever the batch and prefill chunking (slower prefill)")
+    parser.add_argument("--speculative", choices=[*SPECULATIVE_METHODS, "none"], default=None,
+                        help="speculative decoding from the session's history (default ngram); none turns it off")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None, help="most draft tokens verified per step")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="requests batched in one step")
     parser.add_argument("--max-batched-tokens", type=int, default=None, help="tokens in one step")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None, help="most tokens of one prompt per step")
@@ -43,7 +49,8 @@ def _llm(args: argparse.Namespace) -> LLM:
     options: dict[str, object] = {
         "page_size": args.page_size,
         "dtype": args.dtype,
-        "weight_format": args.weight_format,
+        "deterministic": args.deterministic,
+        "num_speculative_tokens": args.num_speculative_tokens,
         "max_num_seqs": args.max_num_seqs,
         "max_batched_tokens": args.max_batched_tokens,
         "prefill_chunk_tokens": args.prefill_chunk_tokens,
@@ -54,7 +61,11 @@ def _llm(args: argparse.Namespace) -> LLM:
     }
     if args.kv_budget_mb:
         options["kv_budget_bytes"] = args.kv_budget_mb * 1024**2
-    return LLM(args.model, **{k: v for k, v in options.items() if v is not None})
+    options = {k: v for k, v in options.items() if v is not None}
+    for name in ("quantization", "speculative"):  # "none" turns it off: None, unlike an unset flag
+        if (value := getattr(args, name)) is not None:
+            options[name] = None if value == "none" else value
+    return LLM(args.model, **options)
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
@@ -139,7 +150,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     options = ServeOptions(
         host=args.host, grpc_port=args.grpc_port, http_port=args.http_port, api_keys=tuple(args.api_key),
         api_keys_file=args.api_keys_file, insecure_no_auth=args.insecure_no_auth, shutdown_grace_s=args.shutdown_grace_s,
-        max_request_bytes=args.max_request_bytes,
+        max_request_bytes=args.max_request_bytes, served_model_names=tuple(args.served_model_name),
     )
     api_keys_for(options)  # refuse an unsafe bind before spending seconds on loading the model
     with _llm(args) as llm:
@@ -171,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--shutdown-grace-s", type=float, default=3.0, help="time in-flight generations get on shutdown")
     serve.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
                        help="largest request body (HTTP) or message (gRPC) accepted, bytes")
+    serve.add_argument("--served-model-name", action="append", default=[],
+                       help="another id the OpenAI API accepts and lists for the model (repeatable)")
     serve.set_defaults(run=cmd_serve)
     args = parser.parse_args(argv)
     try:

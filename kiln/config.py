@@ -7,10 +7,13 @@ from dataclasses import dataclass, fields
 import torch
 
 from kiln.errors import InvalidArgumentError
+from kiln.models.kernels import supported as kernels_supported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# How the projections and the LM head are stored (kiln/models/packed.py): fp32, or fbgemm fp16 / int8.
-WEIGHT_FORMATS = ("float32", "fp16", "int8")
+# How the projections and the LM head are stored (kiln/models/quant.py); "auto" picks per machine.
+QUANTIZATIONS = ("auto", "int8", "int4")
+SPECULATIVE_METHODS = ("ngram",)  # kiln/engine/speculative.py
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -18,10 +21,20 @@ class EngineConfig:
     model: str | None = None  # HF-style directory or .gguf file; None = the embedded Gemma 3 270M
     device: str = "cpu"
     dtype: str = "float32"  # weights and activations
-    # Projections and LM head packed for CPU decode, which is bound by reading weights: "fp16" halves the
-    # bytes per token (same greedy tokens), "int8" quarters them (embedded model perplexity +27 %).
-    # Needs dtype float32 and device cpu (kiln/models/packed.py).
-    weight_format: str = "float32"
+    # Weight-only quantisation of the projections and the LM head (kiln/models/quant.py). CPU decode is
+    # bound by reading weights: "int8" reads a quarter of fp32's bytes (embedded model perplexity within
+    # 0.1 %), "int4" an eighth (bench/weight_formats.py). None is the exact path in `dtype`, the reference
+    # of the parity tests. "auto": int8 on a CPU with AVX2 and dtype float32, else None.
+    quantization: str | None = "auto"
+    # Bit-identical logits for a sequence whatever shares its batch, however its prefill is chunked, and
+    # whether computed incrementally or at once: batch-invariant kernels for every matmul and attention.
+    # CPU and float32 only; slower prefill (bench/throughput.py reports the cost).
+    deterministic: bool = False
+    # Speculative decoding from the sequence's own history (kiln/engine/speculative.py): "ngram" drafts
+    # up to num_speculative_tokens tokens by prompt lookup and verifies them in one forward; greedy output
+    # is unchanged and sampling keeps its distribution. None turns it off.
+    speculative: str | None = "ngram"
+    num_speculative_tokens: int = 4
     kv_dtype: str | None = None  # KV pages; None = same as dtype
     page_size: int = 16  # tokens per KV page
     kv_budget_bytes: int = 2 * 1024**3  # memory for KV pages; the pool is sized from it at start
@@ -46,13 +59,25 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value not in DTYPES:
                 problems.append(f"{name} must be one of {sorted(DTYPES)}, got {value!r}")
-        if self.weight_format not in WEIGHT_FORMATS:
-            problems.append(f"weight_format must be one of {list(WEIGHT_FORMATS)}, got {self.weight_format!r}")
-        elif self.weight_format != "float32" and (self.dtype != "float32" or self.device.split(":")[0] != "cpu"):
+        on_cpu = self.device.split(":")[0] == "cpu"
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            problems.append(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {self.quantization!r}")
+        elif self.quantization == "auto":
+            object.__setattr__(self, "quantization", "int8" if on_cpu and self.dtype == "float32" and kernels_supported() else None)
+        elif self.quantization is not None and on_cpu and self.dtype != "float32":
+            problems.append(f"quantization {self.quantization!r} on the CPU takes float32 activations; got dtype {self.dtype!r}")
+        if not isinstance(self.deterministic, bool):
+            problems.append(f"deterministic must be a boolean, got {self.deterministic!r}")
+        elif self.deterministic and (not on_cpu or self.dtype != "float32" or self.kv_dtype not in (None, "float32") or not kernels_supported()):
             problems.append(
-                f"weight_format {self.weight_format!r} needs dtype 'float32' and device 'cpu' (got {self.dtype!r} "
-                f"on {self.device!r}): its fbgemm kernels run on the CPU only and take float32 activations"
+                f"deterministic needs device 'cpu' with AVX2, dtype 'float32' and float32 KV pages (got dtype {self.dtype!r}, "
+                f"kv_dtype {self.kv_dtype!r} on {self.device!r}): its batch-invariant kernels exist for that only"
             )
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            problems.append(f"speculative must be one of {list(SPECULATIVE_METHODS)} or None, got {self.speculative!r}")
+        tokens = self.num_speculative_tokens
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or not 1 <= tokens <= MAX_SPECULATIVE_TOKENS:
+            problems.append(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {tokens!r}")
         if self.session_ttl_s <= 0:
             problems.append("session_ttl_s must be positive")
         if problems:

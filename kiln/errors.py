@@ -11,9 +11,14 @@ class KilnError(Exception):
 
 
 class InvalidArgumentError(KilnError, ValueError):
-    """Bad token ids, bad parameters, malformed or unsupported input files."""
+    """Bad token ids, bad parameters, malformed or unsupported input files. `param` names the request
+    field at fault when there is one (the OpenAI error envelope reports it)."""
 
     code = "INVALID_ARGUMENT"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class NotFoundError(KilnError, LookupError):

@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from kiln.config import EngineConfig
+from kiln.engine.constraints import Constraint
 from kiln.engine.engine import Engine
-from kiln.engine.sampler import SamplingParams
+from kiln.engine.sampler import SEED_RANGE, SamplingParams
+from kiln.engine.sequence import Event, FinishEvent, Sequence
 from kiln.engine.stream import BaseStream, GenerationStream
-from kiln.errors import InvalidArgumentError
+from kiln.errors import InvalidArgumentError, KilnError
 from kiln.models.loader import LoadedModel, load_model
 from kiln.results import SessionInfo, Usage
 from kiln.sessions import SessionStore
@@ -21,6 +23,7 @@ from kiln.text import TextDeltas
 from kiln.tokenizer import Tokenizer
 
 S = TypeVar("S", bound=BaseStream)
+CONSTRAINT_OPTIONS = ("json_schema", "regex", "grammar")  # keywords that constrain the generated text
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,40 @@ class LLM:
         stream.request = self.engine.submit(self.engine.new_sequence(token_ids, session=False), params, stream.emit)
         return stream
 
+    def start_choices(self, token_ids: Seq[int], params: SamplingParams, streams: Seq[S]) -> list[S]:
+        """Several generations of one prompt (OpenAI's `n`) that compute it once: the first prefills it;
+        at its first token each other one forks its sequence at the prompt's end (sharing the full pages,
+        copying the partial last one), so a choice recomputes only the prompt's last token. With a seed,
+        choice i samples with seed + i: seeded choices differ from each other and are reproducible."""
+        first, rest = streams[0], list(streams[1:])
+        parent = self.engine.new_sequence(token_ids, session=False)
+        prompt = len(parent.tokens)
+        forked = False
+
+        def emit(event: Event) -> None:  # engine thread, engine lock not held
+            nonlocal forked
+            if not forked:
+                forked = True
+                for index, stream in enumerate(rest, start=1):
+                    self._fork_choice(parent, prompt, _choice_params(params, index), stream, event)
+            first.emit(event)
+
+        first.request = self.engine.submit(parent, params, emit)
+        return [first, *rest]
+
+    def _fork_choice(self, parent: Sequence, prompt: int, params: SamplingParams, stream: S, first: Event) -> None:
+        """Start one more choice from the first choice's first event: a fork once the prompt is computed;
+        the same ending if the first ended before any token (cancelled, failed)."""
+        if isinstance(first, FinishEvent):
+            stream.emit(FinishEvent(first.reason, Usage(prompt, 0, 0, 0), error=first.error))
+            return
+        try:
+            child = self.engine.fork_sequence(parent, prompt)
+            stream.request = self.engine.submit(child, params, stream.emit)
+            self.engine.release_sequence(child)  # stateless: its pages go back when its request ends
+        except KilnError as error:
+            stream.emit(FinishEvent("error", Usage(prompt, 0, 0, 0), error=error))
+
     def _output(self, prompt: list[int], stream: GenerationStream) -> RequestOutput:
         result = stream.result()
         text = self.tokenizer.decode(result.token_ids)
@@ -106,6 +143,9 @@ class Session:
         return self.append(self.llm.tokenizer.encode(text, add_special_tokens=first))
 
     def generate(self, params: SamplingParams | None = None, **overrides: object) -> GenerationStream:
+        """Continue the history; the tokens join it as they commit. Keywords are SamplingParams fields,
+        or one of json_schema (a dict or JSON text), regex, grammar (Lark) that the generated text must
+        match: the constraint holds for this generate only and leaves the history as it is."""
         stream = GenerationStream(self.llm.engine.cancel)
         self.llm.sessions.generate(self.id, _params(params, overrides), stream=stream)
         return stream
@@ -142,7 +182,18 @@ class Session:
         self.close()
 
 
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    if params.seed is None:
+        return params
+    low, high = SEED_RANGE
+    return replace(params, seed=low + (params.seed - low + index) % (high - low + 1))
+
+
 def _params(params: SamplingParams | None, overrides: dict[str, object]) -> SamplingParams:
+    """SamplingParams fields as keywords, plus one of json_schema / regex / grammar to constrain the text."""
+    named = {name: overrides.pop(name) for name in CONSTRAINT_OPTIONS if name in overrides}
+    if (constraint := Constraint.one_of(**named)) is not None:
+        overrides["constraint"] = constraint
     try:
         return replace(params or SamplingParams(), **overrides)  # type: ignore[arg-type]
     except TypeError as error:

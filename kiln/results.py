@@ -23,6 +23,7 @@ class GenerationResult:
     stop_string: str | None
     time_to_first_token_s: float | None
     total_s: float
+    top_logprobs: list[tuple[tuple[int, float], ...]] | None = None  # per token, its likeliest alternatives (id, logprob)
 
 
 @dataclass(frozen=True)

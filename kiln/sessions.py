@@ -256,7 +256,7 @@ class SessionStore:
         if ttl_s is None:
             return self.ttl_s
         if not isinstance(ttl_s, int | float) or not MIN_TTL_S <= ttl_s <= MAX_TTL_S:
-            raise InvalidArgumentError(f"ttl_s must be in [1 s, 30 days], got {ttl_s!r}")
+            raise InvalidArgumentError(f"ttl_s must be in [1 s, 30 days], got {ttl_s!r}", "ttl_s")
         return float(ttl_s)
 
     def _info(self, session: _Session) -> SessionInfo:

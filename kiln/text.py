@@ -98,11 +98,11 @@ class TextAssembler:
             found = text.find(stop, self._released)
             if found >= 0:
                 end = min(end, found)
-            end = min(end, len(text) - _partial_suffix(text, stop))
+            end = min(end, len(text) - partial_suffix(text, stop))
         return end
 
 
-def _partial_suffix(text: str, stop: str) -> int:
+def partial_suffix(text: str, stop: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
     for length in range(min(len(stop) - 1, len(text)), 0, -1):
         if text.endswith(stop[:length]):

@@ -1,10 +1,13 @@
 """Chat rendering: OpenAI messages to plain ones, the model's jinja template, Gemma turns, transcripts."""
 
+import json
+
 import pytest
 
 from kiln.chat import from_openai_messages, tokens_for_chat
 from kiln.errors import InvalidArgumentError
 from kiln.tokenizer import Tokenizer
+from kiln.tools import Tool
 from tests.conftest import byte_tokenizer
 
 CHATML = (
@@ -31,8 +34,11 @@ def test_openai_messages_become_plain_text_messages():
 
 @pytest.mark.parametrize(("message", "complaint"), [
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "image_url"),
-    ({"role": "assistant", "content": None, "tool_calls": []}, "tool_calls"),
-    ({"role": "tool", "content": "42"}, "role"),
+    ({"role": "assistant", "content": None, "tool_calls": []}, "content"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]},
+     "arguments must be a JSON object"),
+    ({"role": "user", "content": "hi", "tool_calls": []}, "tool_calls"),
+    ({"role": "tool", "content": "42"}, "tool_call_id"),
     ({"role": "user"}, "content"),
     ({"role": ["user"], "content": "hi"}, "role"),
     ({"role": {"a": 1}, "content": "hi"}, "role"),
@@ -67,3 +73,30 @@ def test_gemma_turns_and_plain_transcript():
     ids = tokens_for_chat(MESSAGES, gemma)
     assert gemma.decode(ids, skip_special_tokens=False) == (
         "<start_of_turn>user\nBe kind.<end_of_turn>\n<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n")
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+TOOLS = [Tool("get_weather", "Weather now", {"type": "object", "properties": {"city": {"type": "string"}}})]
+TOOL_TURNS = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
+
+
+def test_tool_calls_and_results_render_as_text_without_a_tool_template():
+    plain = byte_tokenizer()
+    text = plain.decode(tokens_for_chat(from_openai_messages(TOOL_TURNS), plain, TOOLS))
+    assert text.startswith("System: You can call these tools:\n" + json.dumps(TOOLS[0].definition()))
+    assert ('Assistant: <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            "User: <tool_response>\n21 C\n</tool_response>\nAssistant:") in text
+
+
+def test_a_template_that_knows_tools_gets_them_and_the_calls_as_objects():
+    template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.role }}:"
+                "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments.city }}){% endfor %}"
+                "{{ m.content }};{% endfor %}")
+    tokenizer = with_template(template)
+    text = tokenizer.decode(tokens_for_chat(from_openai_messages(TOOL_TURNS), tokenizer, TOOLS))
+    assert text == "[get_weather]user:Weather?;assistant:get_weather(Paris);tool:21 C;"
+    # a template without tools gets the tool parts as text instead of failing on them
+    chatml = with_template(CHATML)
+    text = chatml.decode(tokens_for_chat(from_openai_messages(TOOL_TURNS), chatml, TOOLS))
+    assert "<|im_start|>user\n<tool_response>\n21 C\n</tool_response><|im_end|>" in text

@@ -22,7 +22,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(kv_budget_bytes=256 * 1024**2) as engine:
+    with LLM(quantization=None, kv_budget_bytes=256 * 1024**2) as engine:
         yield engine
 
 
@@ -68,7 +68,7 @@ def test_cli_generate_prints_greedy_continuation(llm):
     expected = llm.generate("The capital of France is", max_tokens=16)[0].text
     run = subprocess.run(
         [sys.executable, "-m", "kiln.cli", "generate", "--prompt", "The capital of France is", "--max-tokens", "16",
-         "--temperature", "0", "--kv-budget-mb", "64"],
+         "--temperature", "0", "--kv-budget-mb", "64", "--quantization", "none"],
         capture_output=True, text=True, timeout=300, check=True,
     )
     assert run.stdout.strip() == expected.strip()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
@@ -136,11 +136,15 @@ class Session:
         stop_token_ids: Iterable[int] = (),
         ignore_eos: bool = False,
         logprobs: bool = False,
+        json_schema: Mapping[str, Any] | str | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
     ) -> Generation:
         """Continues the history; returns once the server accepted (refusals raise here), then iterate
-        for token ids as they commit. max_tokens None: the server's default (256)."""
+        for token ids as they commit. max_tokens None: the server's default (256). At most one of
+        json_schema (a dict or JSON text), regex and grammar (Lark) constrains the generated text."""
         request = wire.generate_request(self.id, max_tokens, temperature, top_p, top_k, seed, stop,
-                                        stop_token_ids, ignore_eos, logprobs)
+                                        stop_token_ids, ignore_eos, logprobs, json_schema, regex, grammar)
         return Generation(self, self.client._stub.Generate(request, metadata=self.client._metadata))
 
     def generate_text(self, max_tokens: int | None = None, **options: Any) -> Iterator[str]:

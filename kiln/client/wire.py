@@ -5,6 +5,7 @@ things."""
 
 from __future__ import annotations
 
+import json
 import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
@@ -107,7 +108,11 @@ def generate_request(
     stop_token_ids: Iterable[int],
     ignore_eos: bool,
     logprobs: bool,
+    json_schema: object = None,
+    regex: str | None = None,
+    grammar: str | None = None,
 ) -> pb.GenerateRequest:
+    """The Generate request; `json_schema` may be a dict (sent as JSON text) or JSON text."""
     return message(
         pb.GenerateRequest,
         session_id=session_id,
@@ -120,7 +125,20 @@ def generate_request(
         stop_token_ids=token_ids(stop_token_ids),
         ignore_eos=ignore_eos,
         logprobs=logprobs,
+        json_schema=schema_text(json_schema),
+        regex=regex,
+        grammar=grammar,
     )
+
+
+def schema_text(schema: object) -> str | None:
+    """A JSON schema as the wire carries it: JSON text (a str is taken to be JSON text already)."""
+    if schema is None or isinstance(schema, str):
+        return schema
+    try:
+        return json.dumps(schema)
+    except (TypeError, ValueError) as error:
+        raise InvalidArgumentError(f"json_schema must be JSON-serialisable: {error}") from None
 
 
 def session_info(reply: pb.SessionInfo) -> SessionInfo:

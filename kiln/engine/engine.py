@@ -19,27 +19,32 @@ import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from kiln.config import EngineConfig
+from kiln.engine.constraints import Matcher, compiler_for, constrain
 from kiln.engine.runner import Chunk, ModelRunner
-from kiln.engine.sampler import Sampler, SamplingParams
+from kiln.engine.sampler import Sampler, SamplingParams, top_logprobs
 from kiln.engine.scheduler import ScheduledChunk, Scheduler
 from kiln.engine.sequence import Event, FinishEvent, Request, Sequence, TokenEvent
+from kiln.engine.speculative import NgramProposer, verify
 from kiln.engine.stats import EngineStats
-from kiln.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from kiln.errors import InvalidArgumentError, InvariantViolation, ResourceExhaustedError, UnavailableError
 from kiln.kv.cache import KVCache, PoolUsage
 from kiln.kv.format import KVFormat, dtype_name
 from kiln.kv.layout import KVLayout
 from kiln.kv.pages import PageTable
-from kiln.models import build_model, pack_weights
+from kiln.models import build_model, quantize_model
 from kiln.models.loader import LoadedModel
+from kiln.models.quant import quantized_file
 
 logger = logging.getLogger(__name__)
 
 STOP_TAIL_MARGIN = 8  # characters decoded beyond what a stop-string check strictly needs
 Finished = tuple[Request, FinishEvent]
+Sampled = tuple[int, float | None, tuple[tuple[int, float], ...] | None]  # token, its logprob, top alternatives
 
 
 @dataclass(frozen=True)
@@ -60,24 +65,30 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.model = build_model(loaded.config, dtype=config.torch_dtype, device=config.device)
         self.model.load_weights(loaded.tensors)
-        pack_weights(self.model, config.weight_format)
+        quantized = config.quantization
+        cache_file = quantized_file(loaded.cache_entry, quantized) if loaded.cache_entry and quantized else None
+        quantize_model(self.model, quantized, batch_invariant=config.deterministic, cache_file=cache_file)
         layout = KVLayout.for_model(loaded.config, config.page_size)
         kv_dtype = config.torch_kv_dtype
         num_pages = config.kv_budget_bytes // layout.page_bytes(torch.empty(0, dtype=kv_dtype).element_size())
         if num_pages < layout.num_groups:
             raise InvalidArgumentError(f"kv_budget_bytes {config.kv_budget_bytes} holds fewer pages than one token needs")
-        weights = f"{dtype_name(config.torch_dtype)}/{config.weight_format}"
+        # K/V bits depend on how the weights are stored and on the kernels (batch-invariant or BLAS).
+        weights = f"{dtype_name(config.torch_dtype)}/{quantized or 'exact'}" + ("/deterministic" if config.deterministic else "")
         kv_format = KVFormat(loaded.fingerprint, weights, dtype_name(kv_dtype), "raw", config.page_size)
         self._cache = KVCache(layout, num_pages, kv_dtype, config.device, kv_format)
-        self._runner = ModelRunner(self.model, self._cache.storage)
+        self._runner = ModelRunner(self.model, self._cache.storage, config.deterministic)
         self._sampler = Sampler()
+        self._proposer = NgramProposer(config.num_speculative_tokens) if config.speculative == "ngram" else None
+        self._constraints = compiler_for(loaded.fingerprint, loaded.tokenizer, loaded.config.vocab_size)
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
         self.stats = EngineStats()
         self._lock = threading.RLock()  # reentrant: a stream collected on the engine thread cancels itself
         self._wake = threading.Condition(self._lock)
         self._finish_observers: list[Callable[[Request, str], None]] = []
         self._scheduler = Scheduler(
-            self._cache, config.max_num_seqs, config.max_batched_tokens, config.prefill_chunk_tokens, self.stats
+            self._cache, config.max_num_seqs, config.max_batched_tokens, config.prefill_chunk_tokens, self.stats,
+            self._propose,
         )
         self._finished: list[Request] = []  # stateless requests whose pages the next step releases
         self._thread: threading.Thread | None = None
@@ -117,17 +128,19 @@ class Engine:
 
     def validate_tokens(self, token_ids: Iterable[int], what: str = "token ids") -> list[int]:
         """Token ids must be integers (Python or NumPy) inside the model's vocabulary; returns them as a
-        fresh list of Python ints."""
+        fresh list of Python ints. A `what` that is a field name is the error's param."""
         vocab = self.model_config.vocab_size
         ids = list(token_ids)
         bad = [t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise InvalidArgumentError(f"{what} must be integers in [0, {vocab}); got {bad[:5]!r}")
+            raise InvalidArgumentError(f"{what} must be integers in [0, {vocab}); got {bad[:5]!r}",
+                                       what if what.isidentifier() else None)
         return [int(t) for t in ids]
 
     def check_request(self, num_tokens: int, params: SamplingParams) -> None:
         """Raises if a generation over `num_tokens` of history can never run: empty, no room left in the
-        context, or larger than the whole KV pool."""
+        context, larger than the whole KV pool, or a constraint that does not compile (compiled here, in
+        the caller's thread, and cached: the engine thread never compiles)."""
         if not num_tokens:
             raise InvalidArgumentError("nothing to generate from: the history is empty")
         if num_tokens >= self.max_model_len:
@@ -140,6 +153,9 @@ class Engine:
                 f"this request may need {worst} KV pages; the pool has {self._cache.num_pages} "
                 f"(raise kv_budget_bytes or lower max_tokens)"
             )
+        self.validate_tokens((token for token, _ in params.logit_bias), "logit_bias")
+        if params.constraint is not None:
+            self._constraints.compile(params.constraint)
 
     def _worst_case_pages(self, num_tokens: int) -> int:
         pages = -(-num_tokens // self.config.page_size)
@@ -201,7 +217,9 @@ class Engine:
         stop_ids = set(self.validate_tokens(params.stop_token_ids, "stop_token_ids"))
         if not params.ignore_eos:
             stop_ids.update(self.tokenizer.eos_token_ids)
-        request = Request(seq, params, emit, frozenset(stop_ids))
+        stop_ids = frozenset(stop_ids)
+        matcher = None if params.constraint is None else self._constraints.matcher(params.constraint, stop_ids)
+        request = Request(seq, params, emit, stop_ids, matcher)
         with self._wake:
             if self._stopping:
                 raise UnavailableError("the engine is shutting down")
@@ -267,11 +285,11 @@ class Engine:
             chunks = self._scheduler.schedule()
             ended += [self._finish(r, "error", error=e) for r, e in self._scheduler.failed]
             self._scheduler.failed.clear()
-            inputs = self._runner.prepare([Chunk(c.request.seq, c.num_tokens, int(c.samples)) for c in chunks]) if chunks else None
+            inputs = self._runner.prepare([Chunk(c.request.seq, c.num_tokens, int(c.samples) + len(c.draft), c.draft) for c in chunks]) if chunks else None
         self._emit(ended)
         if inputs is None:
             return
-        sampling = [c.request for c in chunks if c.samples]
+        sampling = [c for c in chunks if c.samples]
         try:
             logits = self._runner.run(inputs)
         except Exception as error:  # a failed forward fails its requests, never the engine
@@ -282,42 +300,121 @@ class Engine:
         with self._lock:
             self._commit(chunks)
         if logits is not None:
-            self._emit(self._accept_all(sampling, self._sample(logits, sampling)))
+            self._emit(self._accept_all(sampling, self._sample(sampling, logits)))
 
     def _commit(self, chunks: list[ScheduledChunk]) -> None:
         self.stats.steps += 1
         for chunk in chunks:
             seq = chunk.request.seq
             self.stats.prefill_tokens += max(0, min(chunk.num_tokens, chunk.request.prompt_tokens - seq.num_computed))
-            seq.num_computed += chunk.num_tokens
+            seq.num_computed += chunk.num_tokens - len(chunk.draft)  # a draft's rows count once accepted
             self._cache.commit(seq.table, seq.tokens, seq.num_computed)
 
-    def _accept_all(self, requests: list[Request], sampled: list[tuple[int, float | None] | Exception]) -> list[Finished]:
+    def _accept_all(self, chunks: list[ScheduledChunk], sampled: list[list[Sampled] | Exception]) -> list[Finished]:
         """Tokens join their sequences and stream out; stop conditions are checked (all without the lock:
-        a running request's tokens are the engine thread's alone). Then the finished ones end together."""
+        a running request's tokens are the engine thread's alone). Then speculative chunks keep the K/V
+        of the draft tokens that joined, and the finished requests end together."""
         endings: list[tuple[Request, str, str | None]] = []
         failures: list[tuple[Request, Exception]] = []
-        for request, result in zip(requests, sampled, strict=True):
+        appended: list[int] = []
+        for chunk, result in zip(chunks, sampled, strict=True):
+            request = chunk.request
+            before = len(request.generated)
             if request.cancelled.is_set():
                 endings.append((request, "cancelled", None))
             elif isinstance(result, Exception):
                 failures.append((request, result))
             else:
-                reason, stop_string = self._accept(request, *result)
-                if reason:
-                    endings.append((request, reason, stop_string))
+                for token, logprob, top in result:
+                    if request.matcher is not None and not request.matcher.accept(token):  # only a bug gets here
+                        failures.append((request, InvariantViolation("constraint", f"sampled token {token} outside the mask")))
+                        break
+                    reason, stop_string = self._accept(request, token, logprob, top)
+                    if reason:
+                        endings.append((request, reason, stop_string))
+                        break
+            appended.append(len(request.generated) - before)
         with self._lock:
+            for chunk, count, result in zip(chunks, appended, sampled, strict=True):
+                if chunk.draft:
+                    self._settle_draft(chunk, count, 0 if isinstance(result, Exception) else len(result) - 1)
             ended = [self._finish(r, reason, stop_string) for r, reason, stop_string in endings]
             return ended + [finished for r, error in failures for finished in self._fail([r], error)]
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, float | None] | Exception]:
-        """(token, logprob or None) per request. Should sampling the batch fail (a bug), each row is
-        sampled alone, so only the request whose sampling fails fails."""
+    def _settle_draft(self, chunk: ScheduledChunk, appended: int, accepted: int) -> None:
+        """After a speculative step: draft rows whose tokens joined the sequence keep their K/V, except
+        the last token appended, which stays uncomputed as after any decode step; the rest rolls back."""
+        seq = chunk.request.seq
+        seq.num_computed = self._cache.drop(seq.table, seq.num_computed + max(0, appended - 1))
+        self._cache.commit(seq.table, seq.tokens, seq.num_computed)
+        self.stats.spec_verify_steps += 1
+        self.stats.spec_proposed_tokens += len(chunk.draft)
+        self.stats.spec_accepted_tokens += accepted
+        if self._proposer is not None:
+            self._proposer.feedback(chunk.request, len(chunk.draft), accepted)
+
+    def _propose(self, request: Request, limit: int) -> list[int]:
+        """A draft for a decode row, none past max_tokens or the context. Under a constraint the grammar
+        checks the draft at verification (_mask_draft_rows)."""
+        if self._proposer is None:
+            return []
+        room = min(limit, request.params.max_tokens - len(request.generated) - 1, self.max_model_len - len(request.seq.tokens) - 1)
+        return self._proposer.propose(request, room)
+
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[list[Sampled] | Exception]:
+        """Each sampling chunk's tokens: one sampled from its row, or a draft's verified prefix plus one.
+        A failure fails only its request."""
+        starts = list(accumulate([0, *(1 + len(c.draft) for c in chunks)]))
+        plain = [i for i, c in enumerate(chunks) if not c.draft]
+        results: list[list[Sampled] | Exception] = [[] for _ in chunks]
+        if plain:
+            sampled = self._sample_plain(logits[[starts[i] for i in plain]], [chunks[i].request for i in plain])
+            for i, result in zip(plain, sampled, strict=True):
+                results[i] = result if isinstance(result, Exception) else [result]
+        for i, chunk in enumerate(chunks):
+            if chunk.draft:
+                try:
+                    results[i] = self._verify(chunk, logits[starts[i] : starts[i + 1]])
+                except Exception as error:
+                    logger.exception("verifying a draft failed")
+                    results[i] = error
+        return results
+
+    def _verify(self, chunk: ScheduledChunk, rows: torch.Tensor) -> list[Sampled]:
+        request, params = chunk.request, chunk.request.params
+        rows = constrain(rows, [None] * len(rows), [params.logit_bias] * len(rows))
+        if request.matcher is not None:
+            rows = self._mask_draft_rows(request.matcher, rows, chunk.draft)
+        tokens = verify(rows, chunk.draft, params, self._sampler, request.request_id)
+        rows = rows[: len(tokens)]
+        logprobs = torch.log_softmax(rows, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist() if params.logprobs else None
+        tops = top_logprobs(rows, [params.top_logprobs] * len(tokens))
+        return [(token, logprobs[i] if logprobs else None, tops[i]) for i, token in enumerate(tokens)]
+
+    @staticmethod
+    def _mask_draft_rows(matcher: Matcher, rows: torch.Tensor, draft: list[int]) -> torch.Tensor:
+        """Row i of a draft's logits masked by the grammar as it stands after the draft's first i tokens.
+        A draft token the grammar refuses is masked out of its row, so verification rejects it there and
+        never reads the rows after it (left unmasked). The matcher ends as it began: the accepted tokens
+        advance it again when they join the sequence."""
+        rows = rows.clone()
+        advanced = 0
+        for i in range(len(rows)):
+            rows[i : i + 1] = constrain(rows[i : i + 1], [matcher], [()])
+            if i == len(draft) or not matcher.accept(draft[i]):
+                break
+            advanced += 1
+        matcher.rollback(advanced)
+        return rows
+
+    def _sample_plain(self, logits: torch.Tensor, requests: list[Request]) -> list[Sampled | Exception]:
+        """(token, logprob or None, top alternatives or None) per request. Should sampling the batch fail
+        (a bug), each row is sampled alone, so only the request whose sampling fails fails."""
         try:
             return self._sample_rows(logits, requests)
         except Exception:
             logger.exception("sampling a batch failed; sampling its rows one by one")
-        sampled: list[tuple[int, float | None] | Exception] = []
+        sampled: list[Sampled | Exception] = []
         for row, request in enumerate(requests):
             try:
                 sampled += self._sample_rows(logits[row : row + 1], [request])
@@ -325,23 +422,26 @@ class Engine:
                 sampled.append(error)
         return sampled
 
-    def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> list[tuple[int, float | None]]:
+    def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> list[Sampled]:
+        logits = constrain(logits, [r.matcher for r in requests], [r.params.logit_bias for r in requests])
         token_ids, logprobs = self._sampler.sample(logits, [r.params for r in requests], [r.request_id for r in requests])
-        return [(token, logprobs[row] if logprobs and request.params.logprobs else None)
+        tops = top_logprobs(logits, [r.params.top_logprobs for r in requests])
+        return [(token, logprobs[row] if logprobs and request.params.logprobs else None, tops[row])
                 for row, (token, request) in enumerate(zip(token_ids, requests, strict=True))]
 
-    def _accept(self, request: Request, token: int, logprob: float | None) -> tuple[str | None, str | None]:
+    def _accept(self, request: Request, token: int, logprob: float | None,
+                top: tuple[tuple[int, float], ...] | None) -> tuple[str | None, str | None]:
         request.seq.tokens.append(token)
         request.generated.append(token)
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         self.stats.generated_tokens += 1
-        request.emit(TokenEvent(token, logprob))
+        request.emit(TokenEvent(token, logprob, top))
         return self._stop_reason(request, token)
 
     def _stop_reason(self, request: Request, token: int) -> tuple[str | None, str | None]:
         params = request.params
-        if token in request.stop_token_ids:
+        if token in request.stop_token_ids or (request.matcher is not None and request.matcher.is_terminated()):
             return "stop", None
         if params.stop and (stop := self._stop_string_at_end(request.generated, params.stop)):
             return "stop", stop

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -12,6 +12,8 @@ from kiln.kv.layout import KVLayout
 from kiln.kv.step import KVSlice, KVStep, Workspace
 from kiln.kv.storage import PageStorage
 from kiln.models.attention import AttentionBatch
+from kiln.models.kernels import kernels
+from kiln.models.kernels import supported as kernels_supported
 
 
 @dataclass
@@ -24,16 +26,27 @@ class StepInputs:
 
 @dataclass
 class Chunk:
-    """`num_tokens` new tokens of `seq` from its first uncomputed one; logits for the last `logit_rows`."""
+    """`num_tokens` new tokens of `seq` from its first uncomputed one, the last len(draft) of them a
+    speculative draft that is not (yet) part of its tokens; logits for the last `logit_rows`."""
 
     seq: Sequence
     num_tokens: int
     logit_rows: int = 1
+    draft: list[int] = field(default_factory=list)
+
+    def input_ids(self) -> list[int]:
+        start = self.seq.num_computed
+        return [*self.seq.tokens[start : start + self.num_tokens - len(self.draft)], *self.draft]
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, storage: PageStorage) -> None:
+    def __init__(self, model: torch.nn.Module, storage: PageStorage, batch_invariant: bool = False) -> None:
         self.model = model
+        self.batch_invariant = batch_invariant  # the deterministic mode's attention kernel
+        # Decode steps attend with the in-place kernel where it runs: float32 pages on an AVX2 CPU.
+        self.kernel_decode = storage.data.dtype == torch.float32 and storage.data.device.type == "cpu" and kernels_supported()
+        if self.kernel_decode or batch_invariant:
+            kernels()  # built (or loaded) now, not inside the first request
         self.storage = storage
         self.layout: KVLayout = storage.layout
         self.workspace = Workspace()
@@ -48,10 +61,10 @@ class ModelRunner:
         rows = [row for c, end in zip(chunks, ends, strict=True) for row in range(end - c.logit_rows, end)]
         kv = KVStep(self.storage, slices, self.workspace)
         return StepInputs(
-            input_ids=torch.tensor([t for c in chunks for t in c.seq.tokens[c.seq.num_computed : c.seq.num_computed + c.num_tokens]], device=device),
-            positions=torch.tensor([p for s in slices for p in range(s.start, s.start + s.num_tokens)], device=device),
+            input_ids=torch.tensor([t for c in chunks for t in c.input_ids()], device=device),
+            positions=kv.row_pos,
             logit_rows=torch.tensor(rows, dtype=torch.long, device=device),
-            attention=AttentionBatch.for_lengths(lengths, kv),
+            attention=AttentionBatch.for_lengths(lengths, kv, self.batch_invariant, self.kernel_decode),
         )
 
     @torch.inference_mode()

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from kiln.engine.constraints import MAX_LOGIT_BIAS, Constraint
 from kiln.errors import InvalidArgumentError
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # colder sampling is argmax in effect (and may round to 0 in float32)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters
+MAX_TOP_LOGPROBS = 20  # alternatives reported per position (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -31,31 +33,43 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings, matched on the decoded generated text
     ignore_eos: bool = False  # keep going past the model's end-of-sequence tokens
     logprobs: bool = False  # report the log-probability of each chosen token
+    top_logprobs: int = 0  # also report the most likely alternatives at each position, at most MAX_TOP_LOGPROBS
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value in [-100, 100]) added to its logit
+    constraint: Constraint | None = None  # the text must match it (kiln/engine/constraints.py)
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         object.__setattr__(self, "stop", tuple(stop) if isinstance(stop, Iterable) else stop)
         if isinstance(self.stop_token_ids, Iterable):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        problems = [problem for problem in self._problems() if problem]
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        if isinstance(bias, Iterable):
+            object.__setattr__(self, "logit_bias", tuple(tuple(pair) if isinstance(pair, Iterable) else pair for pair in bias))
+        problems = [(param, problem) for param, problem in self._problems() if problem]
         if problems:
-            raise InvalidArgumentError("; ".join(problems))
+            raise InvalidArgumentError("; ".join(problem for _, problem in problems), problems[0][0])
 
-    def _problems(self) -> Iterator[str | None]:
-        yield _integer_in("max_tokens", self.max_tokens, 1, None)
-        yield _number_in("temperature", self.temperature, 0.0, 100.0, low_open=False)
-        yield _integer_in("top_k", self.top_k, 0, None)
-        yield _number_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
+    def _problems(self) -> Iterator[tuple[str, str | None]]:
+        yield "max_tokens", _integer_in("max_tokens", self.max_tokens, 1, None)
+        yield "temperature", _number_in("temperature", self.temperature, 0.0, 100.0, low_open=False)
+        yield "top_k", _integer_in("top_k", self.top_k, 0, None)
+        yield "top_p", _number_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
         if self.seed is not None:
-            yield _integer_in("seed", self.seed, *SEED_RANGE)
+            yield "seed", _integer_in("seed", self.seed, *SEED_RANGE)
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
-            yield f"stop must be a string or a list of non-empty strings, got {self.stop!r}"
+            yield "stop", f"stop must be a string or a list of non-empty strings, got {self.stop!r}"
         elif len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
-            yield f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LENGTH} characters"
+            yield "stop", f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LENGTH} characters"
         if not isinstance(self.stop_token_ids, tuple) or not all(_is_integer(t) for t in self.stop_token_ids):
-            yield f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
+            yield "stop_token_ids", f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
         if not isinstance(self.ignore_eos, bool) or not isinstance(self.logprobs, bool):
-            yield "ignore_eos and logprobs must be booleans"
+            yield "ignore_eos", "ignore_eos and logprobs must be booleans"
+        yield "top_logprobs", _integer_in("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        if not isinstance(self.logit_bias, tuple) or not all(_is_bias(pair) for pair in self.logit_bias):
+            yield "logit_bias", (f"logit_bias must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got {self.logit_bias!r:.200}")
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            yield "constraint", f"constraint must be a Constraint, got {type(self.constraint).__name__}"
 
     @property
     def greedy(self) -> bool:
@@ -64,6 +78,11 @@ class SamplingParams:
 
 def _is_integer(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_bias(pair: object) -> bool:
+    return (isinstance(pair, tuple) and len(pair) == 2 and _is_integer(pair[0]) and _number_in("", pair[1],
+            -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, low_open=False) is None)
 
 
 def _integer_in(name: str, value: object, low: int, high: int | None) -> str | None:
@@ -105,6 +124,10 @@ class Sampler:
         return chosen.tolist(), logprobs
 
     def _sample_row(self, logits: torch.Tensor, p: SamplingParams, request_id: int) -> int:
+        return self.draw(self.probabilities(logits, p), request_id, p.seed)
+
+    def probabilities(self, logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        """The distribution a row is sampled from: [vocab] logits after temperature, top-k and top-p."""
         scaled = (logits - logits.max()) / p.temperature  # <= 0 everywhere: no overflow at low temperature
         if p.top_k:
             kth = torch.topk(scaled, min(p.top_k, scaled.numel())).values[-1]
@@ -116,7 +139,15 @@ class Sampler:
             outside = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
             outside[0] = False  # the likeliest token always stays, however small top_p is
             probs = probs.scatter(0, order[outside], 0.0)
-        return int(torch.multinomial(probs, 1, generator=self._generator(request_id, p.seed)))
+        return probs
+
+    def draw(self, probs: torch.Tensor, request_id: int, seed: int | None) -> int:
+        """One token from (unnormalised) probabilities, with the request's generator when it has a seed."""
+        return int(torch.multinomial(probs, 1, generator=self._generator(request_id, seed)))
+
+    def uniform(self, request_id: int, seed: int | None) -> float:
+        """A uniform draw in [0, 1) from the request's generator (speculative acceptance tests)."""
+        return float(torch.rand(1, generator=self._generator(request_id, seed)))
 
     def _generator(self, request_id: int, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -124,3 +155,14 @@ class Sampler:
         if request_id not in self._generators:
             self._generators[request_id] = torch.Generator().manual_seed(seed)
         return self._generators[request_id]
+
+
+def top_logprobs(logits: torch.Tensor, counts: list[int]) -> list[tuple[tuple[int, float], ...] | None]:
+    """Per row, its `counts[row]` most likely tokens as (id, logprob), likeliest first, from the same
+    distribution as the chosen token's logprob; None for rows that asked for none."""
+    most = max(counts, default=0)
+    if not most:
+        return [None] * len(counts)
+    values, ids = torch.log_softmax(logits, dim=-1).topk(most, dim=-1)
+    return [tuple(zip(ids[row, :k].tolist(), values[row, :k].tolist(), strict=True)) if k else None
+            for row, k in enumerate(counts)]

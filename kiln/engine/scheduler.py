@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import Enum
 
 from kiln.engine.sequence import Request, Sequence
@@ -27,16 +28,25 @@ from kiln.engine.stats import EngineStats
 from kiln.errors import ResourceExhaustedError
 from kiln.kv.cache import KVCache
 
+# Drafts ride only in steps of at most this many decoding sequences. A draft's rows are close to free
+# while a step is bound by reading the weights (few rows); with many sequences the step is bound by
+# arithmetic, and every draft row costs what a sequence's row does.
+MAX_DRAFTING_SEQUENCES = 4
+
 
 @dataclass
 class ScheduledChunk:
+    """`num_tokens` rows of a request: its next uncomputed tokens, then (decode rows) a speculative draft."""
+
     request: Request
     num_tokens: int
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the end of the sequence: its last row's logits give the next token."""
-        return self.num_tokens == self.request.seq.uncomputed
+        """The chunk reaches the end of the sequence: its last row's logits give the next token (and each
+        draft row's logits check the draft)."""
+        return self.num_tokens - len(self.draft) == self.request.seq.uncomputed
 
 
 class Room(Enum):
@@ -47,18 +57,21 @@ class Room(Enum):
 
 class Scheduler:
     def __init__(
-        self, cache: KVCache, max_num_seqs: int, max_batched_tokens: int, prefill_chunk: int, stats: EngineStats
+        self, cache: KVCache, max_num_seqs: int, max_batched_tokens: int, prefill_chunk: int, stats: EngineStats,
+        propose: Callable[[Request, int], list[int]] | None = None,
     ) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.prefill_chunk = prefill_chunk
         self.stats = stats
+        self.propose = propose  # a draft of at most n tokens for a decode row (speculative decoding), or None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.parked: OrderedDict[int, Sequence] = OrderedDict()  # idle session sequences, least recently used first
         self.failed: list[tuple[Request, Exception]] = []
         self._chunks: dict[Request, int] = {}
+        self._drafts: dict[Request, list[int]] = {}
         self._budget = 0
 
     def add(self, request: Request) -> None:
@@ -87,16 +100,31 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         self._budget = self.max_batched_tokens
-        self._chunks = {}
+        self._chunks, self._drafts = {}, {}
         decodes = [r for r in self.running if r.seq.uncomputed == 1]
         prefills = sorted((r for r in self.running if r.seq.uncomputed > 1), key=lambda r: r.seq.uncomputed)
+        drafting = len(decodes) <= MAX_DRAFTING_SEQUENCES
         for request in decodes:
-            self._schedule_running(request, 1)
+            self._schedule_decode(request, drafting)
         prefill_share = min(self.max_batched_tokens // 2, sum(self._chunk(r) for r in prefills))
         self._admit(reserve=prefill_share)
         for request in prefills:
             self._schedule_running(request, min(self._chunk(request), self._budget))
-        return [ScheduledChunk(request, size) for request, size in self._chunks.items()]
+        return [ScheduledChunk(request, size, self._drafts.get(request, [])) for request, size in self._chunks.items()]
+
+    def _schedule_decode(self, request: Request, drafting: bool) -> None:
+        """One row, plus a draft when one is proposed and its pages are free without dropping anyone's
+        K/V: a draft is a bet, never worth a preemption."""
+        if request not in self.running:  # preempted for an earlier one
+            return
+        draft = self.propose(request, self._budget - 1) if drafting and self.propose and self._budget > 1 else []
+        seq = request.seq
+        if draft and self.cache.ensure(seq.table, seq.num_computed + 1 + len(draft)):
+            self._chunks[request] = 1 + len(draft)
+            self._drafts[request] = draft
+            self._budget -= 1 + len(draft)
+        else:
+            self._schedule_running(request, 1)
 
     def _schedule_running(self, request: Request, size: int) -> None:
         if size <= 0 or size > self._budget or request not in self.running:  # preempted for an earlier one

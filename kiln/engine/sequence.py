@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kiln.engine.constraints import Matcher
 from kiln.engine.sampler import SamplingParams
 from kiln.kv.pages import PageTable
 from kiln.results import Usage
@@ -38,6 +39,7 @@ class Sequence:
 class TokenEvent:
     token_id: int
     logprob: float | None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None  # likeliest alternatives (id, logprob), when asked
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class Request:
     params: SamplingParams
     emit: Callable[[Event], None]
     stop_token_ids: frozenset[int]
+    matcher: Matcher | None = None  # the grammar the generated text must match (params.constraint)
     request_id: int = field(default_factory=lambda: next(_ids))
     prompt_tokens: int = 0
     reused_tokens: int = 0

@@ -14,6 +14,9 @@ class EngineStats:
     generated_tokens: int = 0
     steps: int = 0
     preemptions: int = 0
+    spec_verify_steps: int = 0  # decode rows that carried a speculative draft
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
     requests_by_outcome: Counter[str] = field(default_factory=Counter)
     # Tokens whose K/V was given back for room, by whose: "idle" (a parked session), "waiting" (a queued
     # request's sequence), "preempted" (a running request). Their histories stay; the K/V is recomputed.

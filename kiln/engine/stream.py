@@ -23,6 +23,7 @@ class BaseStream:
         self._first_token_at: float | None = None
         self._token_ids: list[int] = []
         self._logprobs: list[float] = []
+        self._top_logprobs: list[tuple[tuple[int, float], ...]] = []
         self._finish: FinishEvent | None = None
         self._finished_at = 0.0
 
@@ -39,6 +40,11 @@ class BaseStream:
         lets a transport stream them beside the ids before the generation ends."""
         return self._logprobs[start:]
 
+    def top_logprobs_from(self, start: int) -> list[tuple[tuple[int, float], ...]]:
+        """Likeliest alternatives of the tokens handed out so far, from the `start`-th on (empty unless
+        requested)."""
+        return self._top_logprobs[start:]
+
     def _record(self, event: Event) -> int:
         """Token id of a token event; for the finish event raise its error or StopIteration-like None."""
         if isinstance(event, TokenEvent):
@@ -47,6 +53,8 @@ class BaseStream:
             self._token_ids.append(event.token_id)
             if event.logprob is not None:
                 self._logprobs.append(event.logprob)
+            if event.top_logprobs is not None:
+                self._top_logprobs.append(event.top_logprobs)
             return event.token_id
         self._finish = event
         self._finished_at = time.perf_counter()
@@ -64,6 +72,7 @@ class BaseStream:
             stop_string=self._finish.stop_string,
             time_to_first_token_s=None if self._first_token_at is None else self._first_token_at - self._started,
             total_s=self._finished_at - self._started,
+            top_logprobs=list(self._top_logprobs) if self._top_logprobs else None,
         )
 
     def __del__(self) -> None:

@@ -44,6 +44,7 @@ class _GroupStep:
     rows: torch.Tensor  # [N] row base (see PageStorage.row_base) where each new token's K/V goes
     block_table: torch.Tensor  # [B, P] pages each sequence reads (padded with its first page; masked)
     mask: torch.Tensor  # [B, Q, P * page_size] True where query q of sequence b may attend to that key
+    first_pos: torch.Tensor  # [B, P] position of each listed page's first slot (padding: NO_POSITION)
 
 
 class Workspace:
@@ -77,6 +78,8 @@ class KVStep:
             [[s.start + min(i, s.num_tokens - 1) for i in range(max_q)] for s in slices], device=device
         )
         self.groups = [self._group(g, slices, query_pos, device) for g in range(self.layout.num_groups)]
+        self.row_seq = torch.tensor([b for b, s in enumerate(slices) for _ in range(s.num_tokens)], device=device)
+        self.row_pos = torch.tensor([p for s in slices for p in range(s.start, s.start + s.num_tokens)], device=device)
 
     def _group(self, g: int, slices: list[KVSlice], query_pos: torch.Tensor, device: torch.device) -> _GroupStep:
         ps = self.layout.page_size
@@ -100,7 +103,7 @@ class KVStep:
                 pages.append(s.pages[g][first + position // ps - s.start // ps])
                 offsets.append(position % ps)
         rows = self.storage.row_base(torch.tensor(pages, device=device), torch.tensor(offsets, device=device))
-        return _GroupStep(rows, block_table, mask)
+        return _GroupStep(rows, block_table, mask, first_pos)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's new K/V of one layer: k, v [N, kv_heads, head_dim]."""
@@ -109,6 +112,14 @@ class KVStep:
         base = self.groups[g].rows + slot * ps
         rows.index_copy_(0, base, k.to(rows.dtype))
         rows.index_copy_(0, base + slots * ps, v.to(rows.dtype))
+
+    def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, _GroupStep, int | None]:
+        """For kernels that read pages in place: the layer's K and V page views [P, page_size, kv_heads,
+        head_dim], its group's step (block_table, first_pos) and the group's window. Queries are
+        described by `row_seq` (each row's sequence in the step) and `row_pos` (its position)."""
+        g, slot = self.layer_slots[layer]
+        k_pages, v_pages = self.storage.slot_views(slot)
+        return k_pages, v_pages, self.groups[g], self.layout.groups[g].window
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys and values [B, kv_heads, P * page_size, head_dim] each sequence may read at this layer

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kiln.models.kernels import kernels
+
 if TYPE_CHECKING:  # kiln.kv imports the model config, hence this package
     from kiln.kv.step import KVStep
 
@@ -26,14 +28,22 @@ class AttentionBatch:
                  valid row of the same sequence. None when B == 1 (no padding needed).
     query_valid: [B, Q] bool, False on padding.
     kv:          where the layers' K/V go and come from.
+    in_place:    attend with the kernel that reads keys and values where they lie in the pages
+                 (kernels/attention.cpp) instead of gathering them for padded matrix products. Always in
+                 the deterministic mode (its per-query arithmetic does not depend on the step); in other
+                 steps where every sequence has one query (decode), where it is faster: measured on the
+                 embedded model's shapes, 0.2 vs 0.4 ms at 512 tokens of history, 9 vs 14 ms at 16k.
     """
 
     query_index: torch.Tensor | None
     query_valid: torch.Tensor | None
     kv: KVStep
+    in_place: bool = False
 
     @classmethod
-    def for_lengths(cls, lengths: list[int], kv: KVStep) -> AttentionBatch:
+    def for_lengths(cls, lengths: list[int], kv: KVStep, batch_invariant: bool = False, kernel_decode: bool = False) -> AttentionBatch:
+        if batch_invariant or (kernel_decode and max(lengths) == 1):
+            return cls(None, None, kv, in_place=True)
         if len(lengths) == 1:
             return cls(None, None, kv)
         device = kv.storage.data.device
@@ -49,6 +59,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [N, heads, head_dim]; k, v: [N, kv_heads, head_dim] (after RoPE/norms). Returns [N, heads, head_dim]."""
     batch.kv.write(layer, k, v)
+    if batch.in_place:
+        k_pages, v_pages, group, window = batch.kv.pages(layer)
+        return kernels().paged_attention(q.float().contiguous(), k_pages, v_pages, group.block_table, group.first_pos,
+                                         batch.kv.row_seq, batch.kv.row_pos, window or 0, scale)
     keys, values, mask = batch.kv.read(layer)
     if mask.shape[1] == 1:
         return _decode_attention(q, keys.to(q.dtype), values.to(q.dtype), mask[:, 0], scale)

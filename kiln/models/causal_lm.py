@@ -14,7 +14,7 @@ from torch import nn
 from kiln.errors import InvalidArgumentError
 from kiln.models.config import ModelConfig
 from kiln.models.layers import HFSource, RMSNorm
-from kiln.models.packed import PackedLinear
+from kiln.models.quant import QuantizedLinear
 
 
 class Decoder(nn.Module):
@@ -38,7 +38,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = model
-        # None when tied to the embeddings; a PackedLinear once pack_weights has packed the head.
+        # None when tied to the embeddings; a QuantizedLinear once quantize_model has quantised the head.
         self.lm_head: nn.Module | None = (
             None
             if config.tie_word_embeddings
@@ -53,9 +53,9 @@ class CausalLM(nn.Module):
         different orientations by row count (measured on the 2-core AMD machines here, 262k x 640 fp32):
         one row, h @ W^T with W^T stored contiguously (31 ms vs 52 ms through F.linear); several rows,
         W @ h^T (batch 4: 37 ms vs 144 ms). The contiguous W^T is a second copy of the matrix, kept on
-        CPU only, where batch-1 decode is the common case (an agent's session). A packed head
-        (kiln.models.packed) has its own kernel for every row count and needs no copy."""
-        if isinstance(self.lm_head, PackedLinear):
+        CPU only, where batch-1 decode is the common case (an agent's session). A quantised head
+        (kiln.models.quant) has its own kernel and needs no copy."""
+        if isinstance(self.lm_head, QuantizedLinear):
             return self.lm_head(hidden)
         weight = self.head_weight
         if hidden.shape[0] == 1 and weight.device.type == "cpu":
@@ -67,13 +67,13 @@ class CausalLM(nn.Module):
         """The fp32 (or model dtype) [vocab, hidden] LM head matrix: the embedding table when tied."""
         if self.lm_head is None:
             return self.model.embed_tokens.weight
-        if isinstance(self.lm_head, PackedLinear):
-            raise RuntimeError("the LM head is packed: its unpacked matrix is gone")
+        if isinstance(self.lm_head, QuantizedLinear):
+            raise RuntimeError("the LM head is quantised: its float32 matrix is gone")
         return self.lm_head.weight
 
-    def use_packed_head(self, head: PackedLinear) -> None:
-        """Compute logits with `head` (pack_weights' packed copy of the head matrix) from now on. An
-        untied fp32 head and the transposed copy are dropped; a tied embedding table stays for lookups."""
+    def use_head(self, head: QuantizedLinear) -> None:
+        """Compute logits with `head` (quantize_model's copy of the head matrix) from now on. An untied
+        fp32 head and the transposed copy are dropped; a tied embedding table stays for lookups."""
         self.lm_head = head
         self._head_t = None
 

@@ -51,6 +51,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     source: Path
     fingerprint: str
+    cache_entry: Path | None = None  # where artifacts derived from these weights may be kept (quantised copies)
 
 
 def load_model(source: str | Path | None = None, cache_dir: Path | None = None) -> LoadedModel:
@@ -83,7 +84,7 @@ def _load_gguf(path: Path, cache: Path) -> LoadedModel:
         config, tensors, tokenizer = read_gguf(path)
         tensors = _checked(tensors, config, path)
         weight_cache.write_entry(cache, key, config, tensors, tokenizer)
-    return LoadedModel(config, tensors, tokenizer, path, key)
+    return LoadedModel(config, tensors, tokenizer, path, key, entry)
 
 
 def _load_hf_dir(path: Path, cache: Path) -> LoadedModel:
@@ -102,12 +103,14 @@ def _load_hf_dir(path: Path, cache: Path) -> LoadedModel:
         tensors.update(_read_safetensors(shard))
     described = [path / name for name in (*_HF_DESCRIPTION_FILES, _SHARD_INDEX) if (path / name).is_file()]
     hashes = {file.name: weight_cache.file_sha256(file, cache) for file in [*described, *shards]}
+    key = weight_cache.fingerprint(hashes)
     return LoadedModel(
         config,
         _checked(_text_model_tensors(tensors), config, path),
         Tokenizer.from_hf_dir(path),
         path,
-        weight_cache.fingerprint(hashes),
+        key,
+        cache / key,
     )
 
 

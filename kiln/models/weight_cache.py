@@ -74,11 +74,16 @@ def file_sha256(path: Path, cache_dir: Path) -> str:
     return digest.hexdigest()
 
 
+def read_description(entry: Path) -> tuple[ModelConfig, Tokenizer]:
+    """(config, tokenizer) of a cache entry: everything but the weights."""
+    return _config_from_json(json.loads((entry / _CONFIG_FILE).read_text())), Tokenizer.load(entry)
+
+
 def read_entry(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     """(config, tensors, tokenizer) of a complete cache entry."""
     try:
-        config = _config_from_json(json.loads((entry / _CONFIG_FILE).read_text()))
-        return config, load_file(entry / _WEIGHTS_FILE), Tokenizer.load(entry)
+        config, tokenizer = read_description(entry)
+        return config, load_file(entry / _WEIGHTS_FILE), tokenizer
     except Exception as error:  # any unreadable part means the entry was damaged outside Kiln
         raise InvalidArgumentError(
             f"converted-weight cache entry {entry} is unreadable ({error}); delete it to reconvert"

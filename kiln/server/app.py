@@ -12,18 +12,20 @@ import ipaddress
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
 import uvicorn
 
+from kiln.engine.constraints import compiler_for
 from kiln.errors import InvalidArgumentError
 from kiln.llm import LLM
 from kiln.server.auth import ApiKeys
 from kiln.server.grpc import build_grpc_server
 from kiln.server.http import build_http_app
 from kiln.server.metrics import Metrics
-from kiln.server.service import MAX_REQUEST_BYTES, RuntimeService
+from kiln.server.service import MAX_REQUEST_BYTES, RuntimeService, served_name
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class ServeOptions:
     insecure_no_auth: bool = False  # allow a non-loopback bind without API keys
     shutdown_grace_s: float = 3.0
     max_request_bytes: int = MAX_REQUEST_BYTES
+    served_model_names: tuple[str, ...] = ()  # aliases of the model's id in the OpenAI API
     env: dict[str, str] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -74,8 +77,13 @@ class _Uvicorn(uvicorn.Server):
 async def serve_async(llm: LLM, options: ServeOptions) -> None:
     keys = api_keys_for(options)
     metrics = Metrics(llm)
-    model_name = llm.loaded.config.name or llm.loaded.source.name
-    service = RuntimeService(llm, model_name)
+    model_name = served_name(llm.loaded.config.name or llm.loaded.source.name)
+    service = RuntimeService(llm, model_name, options.served_model_names)
+    # the constraint compiler's tokenizer index takes seconds on a large vocabulary: build it now, beside
+    # startup, rather than in the first structured-output request
+    loaded = llm.loaded
+    threading.Thread(target=compiler_for(loaded.fingerprint, loaded.tokenizer, loaded.config.vocab_size).warm,
+                     name="kiln-grammar-warmup", daemon=True).start()
     grpc_address = f"{options.host}:{options.grpc_port}"
     grpc_server = build_grpc_server(service, keys, metrics, grpc_address, options.max_request_bytes)
     http = _Uvicorn(uvicorn.Config(build_http_app(service, keys, metrics, options.max_request_bytes), host=options.host, port=options.http_port,

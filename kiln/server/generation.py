@@ -34,12 +34,14 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 @dataclass(frozen=True)
 class Delta:
-    """Text that became final after one generated token (`token_id`, with its `logprob` if they were
-    asked for), or, on the last delta of a generation, the remaining text and the `result`."""
+    """Text that became final after one generated token (`token_id`, with its `logprob` and likeliest
+    alternatives if they were asked for), or, on the last delta of a generation, the remaining text and
+    the `result`."""
 
     text: str
     token_id: int | None = None
     logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
     result: GenerationResult | None = None
 
 
@@ -55,9 +57,9 @@ async def deltas(stream: AsyncGenerationStream, tokenizer: Tokenizer, stop: Sequ
     decoder = TextDeltas(tokenizer.decode, stop)
     position = 0
     async for token_id in stream:
-        logprob = stream.logprobs_from(position)
+        logprob, top = stream.logprobs_from(position), stream.top_logprobs_from(position)
         position += 1
-        yield Delta(decoder.push([token_id]), token_id, logprob[0] if logprob else None)
+        yield Delta(decoder.push([token_id]), token_id, logprob[0] if logprob else None, top[0] if top else None)
     result = await stream.result()
     if result.finish_reason == "cancelled":
         raise CancelledError("the generation was cancelled")

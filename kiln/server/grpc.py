@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from kiln.engine.constraints import Constraint
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError, KilnError
 from kiln.results import GenerationResult, SessionInfo
@@ -246,6 +247,7 @@ def _generate_request(request: pb.GenerateRequest) -> GenerateRequest:
         stop_token_ids=tuple(request.stop_token_ids),
         ignore_eos=request.ignore_eos,
         logprobs=request.logprobs,
+        constraint=Constraint.one_of(*(_optional(request, name) for name in ("json_schema", "regex", "grammar"))),
     )
 
 

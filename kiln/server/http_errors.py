@@ -4,8 +4,10 @@
 
 with the HTTP status of its Kiln code (the gRPC status names of kiln/errors.py), so HTTP and gRPC
 clients see the same meanings and SDKs translate by `code`. Request-shape problems (malformed JSON,
-wrong types, unknown fields) are INVALID_ARGUMENT. Anything that is not a KilnError is a bug: it is
-logged and answered as INTERNAL without its details.
+wrong types, unknown fields) are INVALID_ARGUMENT; `param` names the request field at fault whenever
+one is. An unknown model is answered as OpenAI does: 404, `invalid_request_error`, code
+`model_not_found`, param `model`. Anything that is not a KilnError is a bug: it is logged and answered
+as INTERNAL without its details.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, NotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,12 @@ _OPENAI_TYPES = {
 MAX_REPORTED_PROBLEMS = 3
 
 
+class ModelNotFoundError(NotFoundError):
+    """The request named a model this server does not serve."""
+
+    param = "model"
+
+
 def code_name(status: int) -> str:
     """The Kiln code name of an HTTP status, as request metrics count it."""
     if status < 400:
@@ -68,8 +76,12 @@ def too_large_response(message: str) -> JSONResponse:
 def error_status(error: Exception) -> tuple[int, dict[str, object]]:
     """HTTP status and envelope for any exception; a non-Kiln exception is a bug, answered without
     its details (whoever catches it makes sure it is logged)."""
+    if isinstance(error, ModelNotFoundError):
+        body = envelope(str(error), "model_not_found", error.param)
+        body["error"]["type"] = "invalid_request_error"  # type: ignore[index]
+        return 404, body
     if isinstance(error, KilnError) and error.code in STATUS_BY_CODE:
-        return STATUS_BY_CODE[error.code], envelope(str(error), error.code)
+        return STATUS_BY_CODE[error.code], envelope(str(error), error.code, getattr(error, "param", None))
     return 500, envelope("internal server error (logged by the server)", INTERNAL)
 
 

@@ -1,30 +1,34 @@
 """Request bodies of the HTTP API, as pydantic models.
 
 Every body is strict (no string-to-number coercion) and forbids unknown fields, so a typo or an
-unsupported OpenAI feature is a clear 400, never silently ignored. OpenAI fields that real clients send
-are accepted when Kiln honours them; ones Kiln does not implement are accepted only at their neutral
-value (n=1, zero penalties, echo=false) and refused otherwise. Range checks of sampling values live in
-RuntimeService/SamplingParams, the one place every transport shares.
+unsupported OpenAI feature is a clear 400 naming the field, never silently ignored. OpenAI fields that
+real clients send are accepted when Kiln honours them; fields that only describe the caller (`user`,
+`store`, `metadata`, `service_tier`) are accepted and ignored; penalties are accepted only at their
+neutral value 0. Range checks of sampling values live in RuntimeService/SamplingParams, the one place
+every transport shares.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
 
-from kiln.engine.sampler import SEED_RANGE
+from kiln.engine.constraints import Constraint
+from kiln.engine.sampler import MAX_TOP_LOGPROBS, SEED_RANGE
 from kiln.server.service import GenerateRequest
 
 MAX_PROMPTS = 32  # prompts in one /v1/completions request
+MAX_CHOICES = 16  # `n`: choices per prompt
 
 TokenIds = list[int]
 
@@ -47,7 +51,7 @@ class GenerateBody(Body):
     stop_token_ids: TokenIds = []  # Kiln extension (as in vLLM)
     ignore_eos: bool = False  # Kiln extension (as in vLLM)
 
-    def generate_request(self) -> GenerateRequest:
+    def generate_request(self, constraint: Constraint | None = None) -> GenerateRequest:
         return GenerateRequest(
             max_tokens=self.reply_limit,
             temperature=self.temperature,
@@ -58,6 +62,9 @@ class GenerateBody(Body):
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             logprobs=self.wants_logprobs,
+            top_logprobs=self.top_alternatives,
+            logit_bias=self.bias,
+            constraint=constraint,
         )
 
     @field_validator("stop", mode="wrap")
@@ -83,27 +90,82 @@ class GenerateBody(Body):
         """Whether the reply carries the chosen tokens' log-probabilities (each body spells it its way)."""
         return False
 
+    @property
+    def top_alternatives(self) -> int:
+        """How many likeliest alternatives to report per token (0: none)."""
+        return 0
+
+    def field_name(self, param: str | None) -> str | None:
+        """The request field behind an engine parameter's name (they differ in a few bodies)."""
+        return param
+
+    @property
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        return ()
+
 
 class StreamOptions(Body):
     include_usage: bool = False
+
+
+class TextFormat(Body):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(Body):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None  # Kiln always enforces the schema
+
+
+class JsonSchemaFormat(Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
 
 class OpenAIBody(GenerateBody):
     """What /v1/completions and /v1/chat/completions share."""
 
     model: str | None = None  # None = the served model; another name is NOT_FOUND
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    user: str | None = None  # accepted for compatibility; Kiln does not use it
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> value in [-100, 100], added to its logit
+    response_format: ResponseFormat | None = None
+    # describe the caller, not the generation: accepted and ignored
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
-    @field_validator("n")
+    @field_validator("logit_bias")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported; send separate requests for more choices")
-        return n
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias and not all(key.isdigit() for key in bias):
+            raise ValueError("keys must be token ids (decimal strings)")
+        return bias
+
+    @property
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(key), value) for key, value in (self.logit_bias or {}).items())
+
+    def format_constraint(self) -> Constraint | None:
+        """The constraint response_format asks for (None for text)."""
+        form = self.response_format
+        if isinstance(form, JsonObjectFormat):
+            return Constraint.json_object("response_format")
+        if isinstance(form, JsonSchemaFormat):
+            return Constraint.json_schema(form.json_schema.schema_, "response_format.json_schema.schema")
+        return None
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -125,15 +187,8 @@ class OpenAIBody(GenerateBody):
 
 class CompletionBody(OpenAIBody):
     prompt: str | TokenIds | list[str] | list[TokenIds]
-    logprobs: int | None = Field(None, ge=0)
-    echo: bool = False
-
-    @field_validator("logprobs")
-    @classmethod
-    def _chosen_only(cls, logprobs: int | None) -> int | None:
-        if logprobs:
-            raise ValueError("top alternatives are not computed; send logprobs=0 for the chosen tokens' log-probabilities")
-        return logprobs
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the chosen token's, plus this many alternatives
+    echo: bool = False  # the reply starts with the prompt
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -149,14 +204,19 @@ class CompletionBody(OpenAIBody):
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
+    def _no_prompt_logprobs(cls, echo: bool, info: ValidationInfo) -> bool:
+        if echo and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs needs the prompt's log-probabilities, which Kiln does not compute; "
+                             "leave out logprobs or echo")
         return echo
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
+
+    @property
+    def top_alternatives(self) -> int:
+        return self.logprobs or 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts, each text or token ids."""
@@ -165,26 +225,66 @@ class CompletionBody(OpenAIBody):
         return list(prompt) if many else [prompt]
 
 
+class FunctionSpec(Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # JSON schema of the arguments; None: no arguments
+    strict: bool | None = None  # Kiln always enforces the schema
+
+
+class ToolSpec(Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatBody(OpenAIBody):
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("top_logprobs")
     @classmethod
-    def _chosen_only(cls, top_logprobs: int | None) -> int | None:
-        if top_logprobs:
-            raise ValueError("top alternatives are not computed; send top_logprobs=0 or leave it out")
+    def _needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=true")
         return top_logprobs
+
+    @field_validator("tool_choice", mode="wrap")
+    @classmethod
+    def _tool_choice_shape(cls, choice: object, handler: ValidatorFunctionWrapHandler) -> object:
+        """One clear message instead of one per union branch."""
+        try:
+            return handler(choice)
+        except ValidationError:
+            raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}') from None
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs
 
     @property
+    def top_alternatives(self) -> int:
+        return self.top_logprobs or 0
+
+    @property
     def reply_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def field_name(self, param: str | None) -> str | None:
+        return "max_completion_tokens" if param == "max_tokens" and self.max_completion_tokens is not None else param
 
 
 class CreateSessionBody(Body):
@@ -202,6 +302,13 @@ class ForkBody(Body):
 
 class SessionGenerateBody(GenerateBody):
     logprobs: bool = False
+    # at most one: the generated text must match it (this generate only; the history stays as it is)
+    json_schema: dict[str, Any] | bool | None = None
+    regex: str | None = None
+    grammar: str | None = None  # Lark, llguidance's dialect
+
+    def generate_request(self, constraint: Constraint | None = None) -> GenerateRequest:
+        return super().generate_request(constraint or Constraint.one_of(self.json_schema, self.regex, self.grammar))
 
     @property
     def wants_logprobs(self) -> bool:

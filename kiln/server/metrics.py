@@ -54,6 +54,12 @@ class _EngineState(Collector):
         yield _labelled_counter("kiln_generations", "Generations by finish reason", "reason",
                                 stats.requests_by_outcome, ("stop", "length", "cancelled", "error"))
         yield CounterMetricFamily("kiln_preemptions", "Requests preempted for KV pages", value=stats.preemptions)
+        # Speculative decoding: acceptance rate = accepted / proposed; tokens per forward of a draft-carrying
+        # row = (accepted + verify_steps) / verify_steps.
+        yield CounterMetricFamily("kiln_spec_proposed_tokens", "Draft tokens proposed (speculative decoding)",
+                                  value=stats.spec_proposed_tokens)
+        yield CounterMetricFamily("kiln_spec_accepted_tokens", "Draft tokens accepted", value=stats.spec_accepted_tokens)
+        yield CounterMetricFamily("kiln_spec_verify_steps", "Decode rows that carried a draft", value=stats.spec_verify_steps)
         yield _labelled_counter("kiln_cache_invariant_violations", "Cache invariant violations by kind", "kind",
                                 violations, ("inv1", "inv2"))
 

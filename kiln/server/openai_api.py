@@ -1,82 +1,175 @@
-"""The OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models.
+"""The OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /v1/models/{id}.
 
-Every request is stateless (`RuntimeService.complete`): it shares cached KV pages with any earlier
-request of the same prefix, so a chat client that resends the conversation each turn recomputes only
-from the first page that differs. `usage.prompt_tokens_details.cached_tokens` says how many prompt
+Every request is stateless (`RuntimeService.complete_choices`): it shares cached KV pages with any
+earlier request of the same prefix, so a chat client that resends the conversation each turn recomputes
+only from the first page that differs. `usage.prompt_tokens_details.cached_tokens` says how many prompt
 tokens came from that cache. Unset sampling options take the server's defaults (greedy decoding,
-RuntimeService.DEFAULT_MAX_TOKENS), not OpenAI's. `model` may name the served model, be "kiln", or be
-left out; any other name is NOT_FOUND.
+RuntimeService.DEFAULT_MAX_TOKENS), not OpenAI's. `model` may name the served model or one of its
+aliases, be "kiln", or be left out; any other name is 404 `model_not_found`.
+
+Beyond plain text:
+- `n` choices of a prompt compute it once (forks of the first choice's sequence); with a seed, choice
+  i samples with seed + i.
+- `logprobs` / `top_logprobs` (chat) and `logprobs: k` (completions) report the chosen tokens' and up
+  to 20 alternatives' log-probabilities, under the distribution the token was drawn from (after
+  logit_bias and any grammar mask). `echo` starts a completion with its prompt.
+- `response_format` (`json_object`, `json_schema`) and tool calls are enforced by grammar-constrained
+  decoding (kiln/engine/constraints.py); tools, tool_choice and parallel_tool_calls follow the rules
+  of kiln/tools.py, and a reply that is a call comes back as `tool_calls` with finish_reason
+  `tool_calls` (streamed as tool-call deltas). A reply cut by max_tokens ends with finish_reason
+  `length` and whatever it had: for a call, arguments that are not yet complete JSON.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from kiln.chat import from_openai_messages, tokens_for_chat
+from kiln.engine.constraints import Constraint, closed
 from kiln.engine.stream import AsyncGenerationStream
-from kiln.errors import NotFoundError
+from kiln.errors import InvalidArgumentError
 from kiln.results import Usage
 from kiln.server.generation import Delta, Output, SseResponse, collect, deltas, start_all, unless_disconnected
-from kiln.server.http_models import ChatBody, CompletionBody, OpenAIBody
+from kiln.server.http_errors import ModelNotFoundError
+from kiln.server.http_models import ChatBody, CompletionBody, NamedToolChoice, OpenAIBody
 from kiln.server.service import RuntimeService
 from kiln.tokenizer import Tokenizer
+from kiln.tools import ArgumentsDelta, CallStart, ContentDelta, Tool, ToolCallParser, ToolChoice, grammar
+
+MODEL_ALIAS = "kiln"  # also names the served model, for clients configured once for any Kiln server
+TopLogprobs = tuple[tuple[int, float], ...]
+Alternatives = list[tuple[str, float]]  # a position's likeliest tokens as text, with their logprobs
+
+
+@dataclass
+class _ChoiceText:
+    """One choice's text as the API shows it: `push` turns text that became final into pieces (a
+    completion's text; a chat delta with content or tool calls), `finish` flushes what was held back.
+    The same pieces build a streamed reply and a whole one."""
+
+    chat: bool
+    parser: ToolCallParser | None = None  # chat with callable tools
+    prefix: str = ""  # echo: the prompt, before the first piece
+    call_ids: list[str] = field(default_factory=list)
+
+    def push(self, text: str) -> list[dict]:
+        if self.prefix:
+            text, self.prefix = self.prefix + text, ""
+        if self.parser is None:
+            return [self._text(text)] if text else []
+        return [self._piece(delta) for delta in self.parser.push(text)]
+
+    def finish(self) -> list[dict]:
+        pieces = self.push("")
+        return pieces + ([self._piece(delta) for delta in self.parser.finish()] if self.parser else [])
+
+    def finish_reason(self, reason: str) -> str:
+        return "tool_calls" if reason == "stop" and self.call_ids else reason
+
+    def _text(self, text: str) -> dict:
+        return {"content": text} if self.chat else {"text": text}
+
+    def _piece(self, delta: ContentDelta | CallStart | ArgumentsDelta) -> dict:
+        if isinstance(delta, ContentDelta):
+            return self._text(delta.text)
+        if isinstance(delta, CallStart):
+            self.call_ids.append("call_" + secrets.token_hex(12))
+            call = {"index": delta.index, "id": self.call_ids[-1], "type": "function",
+                    "function": {"name": delta.name, "arguments": ""}}
+        else:
+            call = {"index": delta.index, "function": {"arguments": delta.text}}
+        return {"tool_calls": [call]}
+
+
+def _merged(pieces: Sequence[dict], chat: bool) -> dict:
+    """A whole reply from its pieces: the text, or a chat message with content and tool calls."""
+    text = "".join(piece.get("content" if chat else "text", "") for piece in pieces)
+    if not chat:
+        return {"text": text}
+    calls: dict[int, dict] = {}
+    for call in (call for piece in pieces for call in piece.get("tool_calls", ())):
+        if call["index"] in calls:
+            calls[call["index"]]["function"]["arguments"] += call["function"]["arguments"]
+        else:
+            calls[call["index"]] = {key: value for key, value in call.items() if key != "index"}
+    message = {"role": "assistant", "content": text if text or not calls else None}
+    return {**message, "tool_calls": list(calls.values())} if calls else message
 
 
 class _Shape:
     """How one OpenAI API spells a choice and its logprobs (completions and chat differ only here)."""
 
+    chat = False
     object = "text_completion"
     chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
-    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    def choice(self, index: int, reply: dict, finish_reason: str | None, logprobs: dict | None) -> dict:
+        return {"index": index, **reply, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def chunk_choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-        return self.choice(index, text, finish_reason, logprobs)
+    def chunk_choice(self, index: int, piece: dict, finish_reason: str | None, logprobs: dict | None) -> dict:
+        return self.choice(index, piece or {"text": ""}, finish_reason, logprobs)
 
     def opening(self, index: int) -> dict | None:
         """A choice's first streamed chunk before any text, if the API has one."""
         return None
 
-    def logprobs(self, tokens: list[str], values: list[float | None], offset: int) -> dict:
+    def logprobs(self, tokens: list[str], values: list[float | None], tops: list[Alternatives] | None,
+                 offset: int) -> dict:
         """`tokens` are the generated tokens' text; `offset` is where the first starts in the reply."""
         offsets = list(itertools.accumulate((len(token) for token in tokens[:-1]), initial=offset))
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": [dict(top) for top in tops] if tops else None,
+                "text_offset": offsets}
 
 
 class _ChatShape(_Shape):
+    chat = True
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+    def choice(self, index: int, reply: dict, finish_reason: str | None, logprobs: dict | None) -> dict:
+        return {"index": index, "message": reply, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def chunk_choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
-        delta = {"content": text} if text or finish_reason is None else {}
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    def chunk_choice(self, index: int, piece: dict, finish_reason: str | None, logprobs: dict | None) -> dict:
+        return {"index": index, "delta": piece, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def opening(self, index: int) -> dict | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def logprobs(self, tokens: list[str], values: list[float | None], offset: int) -> dict:
-        return {"content": [{"token": token, "logprob": value, "bytes": list(token.encode()), "top_logprobs": []}
-                            for token, value in zip(tokens, values, strict=True)]}
+    def logprobs(self, tokens: list[str], values: list[float | None], tops: list[Alternatives] | None,
+                 offset: int) -> dict:
+        alternatives = tops or [[] for _ in tokens]
+        return {"content": [{**_entry(token, value), "top_logprobs": [_entry(*top) for top in tops]}
+                            for token, value, tops in zip(tokens, values, alternatives, strict=True)]}
+
+
+def _entry(token: str, value: float | None) -> dict:
+    return {"token": token, "logprob": value, "bytes": list(token.encode())}
 
 
 COMPLETION, CHAT = _Shape(), _ChatShape()
-MODEL_ALIAS = "kiln"  # also names the served model, for clients configured once for any Kiln server
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one OpenAI request generates: the prompts' token ids, n choices of each, the constraint the
+    text must match, and how its text reads back (tool calls, echo)."""
+
+    prompts: list[list[int]]
+    constraint: Constraint | None = None
+    calls: bool = False  # the reply may be tool calls
+    echoes: list[str] | None = None  # completions with echo: each prompt's text
 
 
 @dataclass(frozen=True)
@@ -84,21 +177,33 @@ class _Reply:
     """The generations of one OpenAI request, and the response that describes them."""
 
     shape: _Shape
+    plan: _Plan
     tokenizer: Tokenizer
     response_id: str
     created: int
     model: str
-    streams: list[AsyncGenerationStream]
+    streams: list[AsyncGenerationStream]  # prompt-major: choice i is prompt i // n, its (i % n)-th choice
+    n: int
     stop: tuple[str, ...]
     include_usage: bool
     logprobs: bool
 
+    def text(self, index: int) -> _ChoiceText:
+        echo = self.plan.echoes[index // self.n] if self.plan.echoes else ""
+        return _ChoiceText(self.shape.chat, ToolCallParser() if self.plan.calls else None, echo)
+
     def body(self, outputs: Sequence[Output]) -> dict:
-        choices = [self.shape.choice(i, output.text, output.result.finish_reason,
-                                     self.logprobs_json(output.result.token_ids, output.result.logprobs or [], 0))
-                   for i, output in enumerate(outputs)]
+        choices = []
+        for index, output in enumerate(outputs):
+            text = self.text(index)
+            pieces = text.push(output.text) + text.finish()
+            result = output.result
+            logprobs = self.logprobs_json(result.token_ids, result.logprobs or [], result.top_logprobs, 0)
+            choices.append(self.shape.choice(index, _merged(pieces, self.shape.chat),
+                                             text.finish_reason(result.finish_reason), logprobs))
+        usages = [output.result.usage for output in outputs]
         return {"id": self.response_id, "object": self.shape.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage_json([output.result.usage for output in outputs])}
+                "choices": choices, "usage": self.usage_json(usages)}
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         """One streamed chunk; with include_usage every chunk has `usage`, null except in the last."""
@@ -106,12 +211,23 @@ class _Reply:
                  "model": self.model, "choices": choices}
         return {**chunk, "usage": usage} if self.include_usage else chunk
 
-    def logprobs_json(self, token_ids: Sequence[int], values: Sequence[float | None], offset: int) -> dict | None:
+    def logprobs_json(self, token_ids: Sequence[int], values: Sequence[float | None],
+                      tops: Sequence[TopLogprobs] | None, offset: int) -> dict | None:
         """The logprobs of these generated tokens in the API's format; None unless they were asked for."""
         if not self.logprobs:
             return None
         tokens = [self.tokenizer.decode([token_id]) for token_id in token_ids]
-        return self.shape.logprobs(tokens, list(values), offset)
+        alternatives = [[(self.tokenizer.decode([t]), v) for t, v in top] for top in tops] if tops else None
+        return self.shape.logprobs(tokens, list(values), alternatives, offset)
+
+    def usage_json(self, usages: Sequence[Usage]) -> dict:
+        """OpenAI's usage block: each prompt counts once, whatever its number of choices; cached_tokens
+        = prompt tokens whose K/V was reused from the prefix cache rather than computed."""
+        firsts = usages[:: self.n]
+        prompt = sum(u.prompt_tokens for u in firsts)
+        completion = sum(u.generated_tokens for u in usages)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(u.reused_tokens for u in firsts)}}
 
 
 class OpenAIRoutes:
@@ -128,37 +244,71 @@ class OpenAIRoutes:
         router.add_api_route("/completions", self.completions, methods=["POST"])
         router.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
         router.add_api_route("/models", self.models, methods=["GET"])
+        router.add_api_route("/models/{model_id:path}", self.model, methods=["GET"])
         return router
 
     async def completions(self, body: CompletionBody, request: Request) -> Response:
-        return await self._reply(request, body, COMPLETION,
-                                 lambda: [self._prompt_ids(prompt) for prompt in body.prompts()])
+        return await self._reply(request, body, COMPLETION, lambda: self._completion_plan(body))
 
     async def chat_completions(self, body: ChatBody, request: Request) -> Response:
-        return await self._reply(request, body, CHAT,
-                                 lambda: [tokens_for_chat(from_openai_messages(body.messages), self.tokenizer)])
+        return await self._reply(request, body, CHAT, lambda: self._chat_plan(body))
 
     async def models(self) -> dict:
-        model = {"id": self.service.model_name, "object": "model", "created": self.created, "owned_by": "kiln",
-                 "max_model_len": self.service.llm.engine.max_model_len}
-        return {"object": "list", "data": [model]}
+        return {"object": "list", "data": [self._model_json(name) for name in (self.service.model_name, *self.service.aliases)]}
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        """Text prompts are encoded with the model's BOS, as the model expects a document to start."""
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    async def model(self, model_id: str) -> dict:
+        self._check_model(model_id)
+        return self._model_json(model_id)
 
-    async def _reply(self, request: Request, body: OpenAIBody, shape: _Shape,
-                     prompts_of: Callable[[], Sequence[list[int]]]) -> Response:
-        """`prompts_of()` renders and tokenizes the prompts on a worker thread (megabytes of text, a chat
-        template): the event loop keeps serving everyone else. The generations' streams belong to the loop;
-        their submission runs on worker threads too."""
-        if body.model not in (None, MODEL_ALIAS, self.service.model_name):
-            raise NotFoundError(f"model {body.model!r} is not served here; this server serves {self.service.model_name!r}")
-        prompts = await run_in_threadpool(prompts_of)
-        generate = body.generate_request()
-        streams = await start_all([functools.partial(self.service.complete, prompt, generate) for prompt in prompts])
-        reply = _Reply(shape, self.tokenizer, shape.id_prefix + secrets.token_hex(12), int(time.time()),
-                       self.service.model_name, streams, body.stop_strings, body.include_usage, body.wants_logprobs)
+    def _model_json(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "kiln",
+                "max_model_len": self.service.llm.engine.max_model_len}
+
+    def _check_model(self, model: str | None) -> None:
+        if model not in (None, MODEL_ALIAS, self.service.model_name, *self.service.aliases):
+            raise ModelNotFoundError(f"the model {model!r} does not exist here; this server serves "
+                                     f"{', '.join(repr(name) for name in (self.service.model_name, *self.service.aliases))}")
+
+    def _completion_plan(self, body: CompletionBody) -> _Plan:
+        prompts = body.prompts()
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]  # text gets the model's BOS
+        echoes = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if body.echo else None
+        return _Plan(ids, _checked(body.format_constraint()), echoes=echoes)
+
+    def _chat_plan(self, body: ChatBody) -> _Plan:
+        """Tools, tool_choice and response_format checked part by part (each error names its field),
+        then the constraint the reply must match and the prompt with the callable tools rendered."""
+        tools = [Tool(spec.function.name, spec.function.description or "",
+                      None if spec.function.parameters is None else closed(spec.function.parameters))
+                 for spec in body.tools or ()]
+        for index, tool in enumerate(tools):
+            _checked(Constraint.json_schema(tool.schema, f"tools[{index}].function.parameters"))
+        choice = _tool_choice(body, tools)
+        plain = _checked(body.format_constraint())
+        rules = grammar(tools, choice, _schema_of(plain)) if tools else None
+        constraint = plain if rules is None else Constraint.grammar(rules, "tools")
+        messages = from_openai_messages(body.messages)
+        prompt = tokens_for_chat(messages, self.tokenizer, tools if rules is not None else ())
+        return _Plan([prompt], constraint, calls=rules is not None)
+
+    async def _reply(self, request: Request, body: OpenAIBody, shape: _Shape, plan_of: Callable[[], _Plan]) -> Response:
+        """`plan_of()` checks the request, renders and tokenizes the prompts on a worker thread (megabytes
+        of text, a chat template, schemas to check): the event loop keeps serving everyone else. The
+        generations' streams belong to the loop; their submission runs on worker threads too."""
+        self._check_model(body.model)
+        plan = await run_in_threadpool(plan_of)
+        generate = body.generate_request(plan.constraint)
+        try:
+            groups = await start_all([functools.partial(self.service.complete_choices, prompt, generate, body.n)
+                                      for prompt in plan.prompts])
+        except InvalidArgumentError as error:  # the engine names its own fields; name the request's
+            error.param = body.field_name(error.param)
+            raise
+        streams = [stream for group in groups for stream in group]
+        reply = _Reply(shape, plan, self.tokenizer, shape.id_prefix + secrets.token_hex(12), int(time.time()),
+                       body.model if body.model in self.service.aliases else self.service.model_name, streams, body.n,
+                       body.stop_strings, body.include_usage,
+                       body.wants_logprobs)
         if body.stream:
             return SseResponse(self._chunks(reply), streams)
         outputs = await unless_disconnected(request, self._outputs(reply), streams)
@@ -175,33 +325,63 @@ class OpenAIRoutes:
             async for chunk in self._choice_chunks(reply, index, stream, usages):
                 yield chunk
         if reply.include_usage:
-            yield reply.chunk([], usage_json(usages))
+            yield reply.chunk([], reply.usage_json(usages))
 
     async def _choice_chunks(self, reply: _Reply, index: int, stream: AsyncGenerationStream,
                              usages: list[Usage]) -> AsyncIterator[dict]:
-        """One choice's chunks: one per release of text, carrying the tokens generated since the last
-        (text held back for a partial character or stop string goes out with a later chunk)."""
+        """One choice's chunks: one per piece of text that became final, the first of them carrying the
+        tokens generated since the last chunk (text held back for a partial character, a stop string or
+        a tool call's closing marker goes out with a later chunk)."""
         opening = reply.shape.opening(index)
         if opening is not None:
             yield reply.chunk([opening])
+        text = reply.text(index)
         pending: list[Delta] = []
         offset = 0
         async for delta in deltas(stream, self.tokenizer, reply.stop):
             if delta.token_id is not None:
                 pending.append(delta)
-            finish = delta.result.finish_reason if delta.result else None
-            if delta.text or finish:
-                logprobs = reply.logprobs_json([d.token_id for d in pending], [d.logprob for d in pending], offset)
-                yield reply.chunk([reply.shape.chunk_choice(index, delta.text, finish, logprobs)])
-                pending, offset = [], offset + len(delta.text)
+            pieces = text.push(delta.text)
+            finish = None
             if delta.result:
+                pieces += text.finish()
+                finish = text.finish_reason(delta.result.finish_reason)
                 usages.append(delta.result.usage)
+            for number, piece in enumerate(pieces or ([{}] if finish else [])):
+                logprobs = reply.logprobs_json([d.token_id for d in pending], [d.logprob for d in pending],
+                                               [d.top_logprobs for d in pending if d.top_logprobs], offset)
+                last = number == max(len(pieces), 1) - 1
+                yield reply.chunk([reply.shape.chunk_choice(index, piece, finish if last else None, logprobs)])
+                offset += len(piece.get("text", ""))
+                pending = []
 
 
-def usage_json(usages: Sequence[Usage]) -> dict:
-    """OpenAI's usage block over one or more generations; cached_tokens = prompt tokens whose K/V was
-    reused from the prefix cache rather than computed."""
-    prompt = sum(u.prompt_tokens for u in usages)
-    completion = sum(u.generated_tokens for u in usages)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(u.reused_tokens for u in usages)}}
+def _checked(constraint: Constraint | None) -> Constraint | None:
+    """The constraint, once it is known to compile (an error names its request field)."""
+    if constraint is not None:
+        constraint.check()
+    return constraint
+
+
+def _schema_of(constraint: Constraint | None) -> dict | None:
+    """The JSON schema a non-call reply must match (response_format), for the tool grammar."""
+    if constraint is None:
+        return None
+    return {"type": "object"} if constraint.kind == "json_object" else json.loads(constraint.source)
+
+
+def _tool_choice(body: ChatBody, tools: list[Tool]) -> ToolChoice:
+    """tool_choice and parallel_tool_calls as a ToolChoice; naming a function not in `tools`, or
+    choosing tools when there are none, is refused."""
+    parallel = body.parallel_tool_calls is not False
+    choice = body.tool_choice
+    if choice is None:
+        return ToolChoice("auto" if tools else "none", parallel=parallel)
+    if not tools and choice != "none":
+        raise InvalidArgumentError("tool_choice needs tools", "tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in {tool.name for tool in tools}:
+            raise InvalidArgumentError(f"tool_choice names the function {choice.function.name!r}, which is not in "
+                                       "tools", "tool_choice")
+        return ToolChoice("function", choice.function.name, parallel)
+    return ToolChoice(choice, parallel=parallel)

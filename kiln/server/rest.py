@@ -7,7 +7,8 @@
     POST   /v1/sessions/{id}/tokens      append token_ids                          -> info
     POST   /v1/sessions/{id}/generate    continue the history: a JSON result, or with stream=true
                                          SSE events {"token_id", "logprob", "text"} per token, then one
-                                         {"finish_reason", "text", "usage", ...}, then [DONE]
+                                         {"finish_reason", "text", "usage", ...}, then [DONE]; one of
+                                         json_schema, regex, grammar constrains the generated text
     POST   /v1/sessions/{id}/fork        optional at                               -> the new session (201)
     DELETE /v1/sessions/{id}             close
     POST   /v1/tokenize, /v1/detokenize

@@ -5,9 +5,11 @@ transports only translate formats and errors."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kiln.engine.constraints import Constraint
 from kiln.engine.sampler import SamplingParams
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError, KilnError
@@ -36,14 +38,23 @@ class GenerateRequest:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    logit_bias: Sequence[tuple[int, float]] = ()
+    constraint: Constraint | None = None
+
+
+def served_name(name: str) -> str:
+    """A model name as an API id: lower case, no spaces ("Gemma 3 270m" -> "gemma-3-270m")."""
+    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "model"
 
 
 class RuntimeService:
     DEFAULT_MAX_TOKENS = 256
 
-    def __init__(self, llm: LLM, model_name: str) -> None:
+    def __init__(self, llm: LLM, model_name: str, aliases: Sequence[str] = ()) -> None:
         self.llm = llm
         self.model_name = model_name
+        self.aliases = tuple(alias for alias in aliases if alias != model_name)
         self.accepting = True
 
     @property
@@ -60,7 +71,7 @@ class RuntimeService:
         max_tokens = self.DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens
         if isinstance(max_tokens, int) and max_tokens > self.llm.engine.max_model_len:
             raise InvalidArgumentError(
-                f"max_tokens {max_tokens} exceeds the model's context of {self.llm.engine.max_model_len}"
+                f"max_tokens {max_tokens} exceeds the model's context of {self.llm.engine.max_model_len}", "max_tokens"
             )
         return SamplingParams(
             max_tokens=max_tokens,
@@ -72,6 +83,9 @@ class RuntimeService:
             stop_token_ids=tuple(request.stop_token_ids),  # checked against the vocabulary on submit
             ignore_eos=request.ignore_eos,
             logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs,
+            logit_bias=tuple(request.logit_bias),
+            constraint=request.constraint,
         )
 
     # ---- sessions -----------------------------------------------------------------------------------
@@ -120,6 +134,12 @@ class RuntimeService:
         stream = AsyncGenerationStream(self.llm.engine.cancel)
         await asyncio.to_thread(self.llm.start, list(tokens), self.sampling_params(request), stream)
         return stream
+
+    async def complete_choices(self, tokens: Sequence[int], request: GenerateRequest, n: int) -> list[AsyncGenerationStream]:
+        """`n` stateless generations of one prompt that compute it once (LLM.start_choices)."""
+        self._admit()
+        streams = [AsyncGenerationStream(self.llm.engine.cancel) for _ in range(n)]
+        return await asyncio.to_thread(self.llm.start_choices, list(tokens), self.sampling_params(request), streams)
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kiln/v1/runtime.proto\x12\x07kiln.v1\"\x80\x02\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0ehistory_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x03 \x01(\r\x12\x16\n\x0eresident_pages\x18\x04 \x01(\r\x12\x19\n\x11resident_kv_bytes\x18\x05 \x01(\x04\x12\x15\n\rreused_tokens\x18\x06 \x01(\r\x12\x1b\n\x13last_prefill_tokens\x18\x07 \x01(\r\x12\x12\n\ngenerating\x18\x08 \x01(\x08\x12\x12\n\ncreated_at\x18\t \x01(\x01\x12\x0e\n\x06idle_s\x18\n \x01(\x01\x12\r\n\x05ttl_s\x18\x0b \x01(\x01\"i\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rreused_tokens\x18\x02 \x01(\r\x12\x18\n\x10prefilled_tokens\x18\x03 \x01(\r\x12\x18\n\x10generated_tokens\x18\x04 \x01(\r\"G\n\x14\x43reateSessionRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\x05ttl_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_ttl_s\">\n\x15\x43reateSessionResponse\x12%\n\x07session\x18\x01 \x01(\x0b\x32\x14.kiln.v1.SessionInfo\"<\n\x13\x41ppendTokensRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"=\n\x14\x41ppendTokensResponse\x12%\n\x07session\x18\x01 \x01(\x0b\x32\x14.kiln.v1.SessionInfo\"\x9b\x02\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"b\n\rGenerateEvent\x12%\n\x06tokens\x18\x01 \x01(\x0b\x32\x13.kiln.v1.TokenChunkH\x00\x12!\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x0f.kiln.v1.FinishH\x00\x42\x07\n\x05\x65vent\"1\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"x\n\x06\x46inish\x12%\n\x06reason\x18\x01 \x01(\x0e\x32\x15.kiln.v1.FinishReason\x12\x1d\n\x05usage\x18\x02 \x01(\x0b\x32\x0e.kiln.v1.Usage\x12\x18\n\x0bstop_string\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_stop_string\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"+\n\x15GetSessionInfoRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"?\n\x16GetSessionInfoResponse\x12%\n\x07session\x18\x01 \x01(\x0b\x32\x14.kiln.v1.SessionInfo\"@\n\x12\x46orkSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x02\x61t\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x05\n\x03_at\"<\n\x13\x46orkSessionResponse\x12%\n\x07session\x18\x01 \x01(\x0b\x32\x14.kiln.v1.SessionInfo\"\x15\n\x13ListSessionsRequest\">\n\x14ListSessionsResponse\x12&\n\x08sessions\x18\x01 \x03(\x0b\x32\x14.kiln.v1.SessionInfo\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x0f\n\rHealthRequest\"\xcb\x01\n\x0eHealthResponse\x12&\n\x06status\x18\x01 \x01(\x0e\x32\x16.kiln.v1.ServingStatus\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x10\n\x08sessions\x18\x05 \x01(\r\x12\x15\n\rkv_pages_used\x18\x06 \x01(\r\x12\x17\n\x0fkv_pages_cached\x18\x07 \x01(\r\x12\x15\n\rkv_pages_free\x18\x08 \x01(\r*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*\x8f\x01\n\rServingStatus\x12\x1e\n\x1aSERVING_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16SERVING_STATUS_SERVING\x10\x01\x12 \n\x1cSERVING_STATUS_SHUTTING_DOWN\x10\x02\x12 \n\x1cSERVING_STATUS_ENGINE_FAILED\x10\x03\x32\xe0\x05\n\x07Runtime\x12N\n\rCreateSession\x12\x1d.kiln.v1.CreateSessionRequest\x1a\x1e.kiln.v1.CreateSessionResponse\x12K\n\x0c\x41ppendTokens\x12\x1c.kiln.v1.AppendTokensRequest\x1a\x1d.kiln.v1.AppendTokensResponse\x12>\n\x08Generate\x12\x18.kiln.v1.GenerateRequest\x1a\x16.kiln.v1.GenerateEvent0\x01\x12K\n\x0c\x43loseSession\x12\x1c.kiln.v1.CloseSessionRequest\x1a\x1d.kiln.v1.CloseSessionResponse\x12Q\n\x0eGetSessionInfo\x12\x1e.kiln.v1.GetSessionInfoRequest\x1a\x1f.kiln.v1.GetSessionInfoResponse\x12H\n\x0b\x46orkSession\x12\x1b.kiln.v1.ForkSessionRequest\x1a\x1c.kiln.v1.ForkSessionResponse\x12K\n\x0cListSessions\x12\x1c.kiln.v1.ListSessionsRequest\x1a\x1d.kiln.v1.ListSessionsResponse\x12?\n\x08Tokenize\x12\x18.kiln.v1.TokenizeRequest\x1a\x19.kiln.v1.TokenizeResponse\x12\x45\n\nDetokenize\x12\x1a.kiln.v1.DetokenizeRequest\x1a\x1b.kiln.v1.DetokenizeResponse\x12\x39\n\x06Health\x12\x16.kiln.v1.HealthRequest\x1a\x17.kiln.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kiln/v1/runtime.proto\x12\x07kiln.v1\"\x80\x02\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0ehistory_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x03 \x01(\r\x12\x16\n\x0eresident_pages\x18\x04 \x01(\r\x12\x19\n\x11resident_kv_bytes\x18\x05 \x01(\x04\x12\x15\n\rreused_tokens\x18\x06 \x01(\r\x12\x1b\n\x13last_prefill_tokens\x18\x07 \x01(\r\x12\x12\n\ngenerating\x18\x08 \x01(\x08\x12\x12\n\ncreated_at\x18\t \x01(\x01\x12\x0e\n\x06idle_s\x18\n \x01(\x01\x12\r\n\x05ttl_s\x18\x0b \x01(\x01\"i\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rreused_tokens\x18\x02 \x01(\r\x12\x18\n\x10prefilled_tokens\x18\x03 \x01(\r\x12\x18\n\x10generated_tokens\x18\x04 \x01(\r\"G\n\x14\x43reateSessionRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\x05ttl_s\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x08\n\x06_ttl_s\">\n\x15\x43reateSessionResponse\x12%\n\x07session\x18\x01 \x01(\x0b\x32\x14.kiln.v1.SessionInfo\"<\n\x13\x41ppendTokensRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"=\n\x14\x41ppendTokensResponse\x12%\n\x07session\x18\x01 \x01(\x0b\x32\x14.kiln.v1.SessionInfo\"\x85\x03\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x18\n\x0bjson_schema\x18\x0b \x01(\tH\x05\x88\x01\x01\x12\x12\n\x05regex\x18\x0c \x01(\tH\x06\x88\x01\x01\x12\x14\n\x07grammar\x18\r \x01(\tH\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0e\n\x0c_json_schemaB\x08\n\x06_regexB\n\n\x08_grammar\"b\n\rGenerateEvent\x12%\n\x06tokens\x18\x01 \x01(\x0b\x32\x13.kiln.v1.TokenChunkH\x00\x12!\n\x06\x66inish\x18\x02 \x01(\x0b\x32\x0f.kiln.v1.FinishH\x00\x42\x07\n\x05\x65vent\"1\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"x\n\x06\x46inish\x12%\n\x06reason\x18\x01 \x01(\x0e\x32\x15.kiln.v1.FinishReason\x12\x1d\n\x05usage\x18\x02 \x01(\x0b\x32\x0e.kiln.v1.Usage\x12\x18\n\x0bstop_string\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_stop_string\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"+\n\x15GetSessionInfoRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"?\n\x16GetSessionInfoResponse\x12%\n\x07session\x18\x01 \x01(\x0b\x32\x14.kiln.v1.SessionInfo\"@\n\x12\x46orkSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x02\x61t\x18\x02 \x01(\x05H\x00\x88\x01\x01\x42\x05\n\x03_at\"<\n\x13\x46orkSessionResponse\x12%\n\x07session\x18\x01 \x01(\x0b\x32\x14.kiln.v1.SessionInfo\"\x15\n\x13ListSessionsRequest\">\n\x14ListSessionsResponse\x12&\n\x08sessions\x18\x01 \x03(\x0b\x32\x14.kiln.v1.SessionInfo\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x0f\n\rHealthRequest\"\xcb\x01\n\x0eHealthResponse\x12&\n\x06status\x18\x01 \x01(\x0e\x32\x16.kiln.v1.ServingStatus\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x10\n\x08sessions\x18\x05 \x01(\r\x12\x15\n\rkv_pages_used\x18\x06 \x01(\r\x12\x17\n\x0fkv_pages_cached\x18\x07 \x01(\r\x12\x15\n\rkv_pages_free\x18\x08 \x01(\r*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*\x8f\x01\n\rServingStatus\x12\x1e\n\x1aSERVING_STATUS_UNSPECIFIED\x10\x00\x12\x1a\n\x16SERVING_STATUS_SERVING\x10\x01\x12 \n\x1cSERVING_STATUS_SHUTTING_DOWN\x10\x02\x12 \n\x1cSERVING_STATUS_ENGINE_FAILED\x10\x03\x32\xe0\x05\n\x07Runtime\x12N\n\rCreateSession\x12\x1d.kiln.v1.CreateSessionRequest\x1a\x1e.kiln.v1.CreateSessionResponse\x12K\n\x0c\x41ppendTokens\x12\x1c.kiln.v1.AppendTokensRequest\x1a\x1d.kiln.v1.AppendTokensResponse\x12>\n\x08Generate\x12\x18.kiln.v1.GenerateRequest\x1a\x16.kiln.v1.GenerateEvent0\x01\x12K\n\x0c\x43loseSession\x12\x1c.kiln.v1.CloseSessionRequest\x1a\x1d.kiln.v1.CloseSessionResponse\x12Q\n\x0eGetSessionInfo\x12\x1e.kiln.v1.GetSessionInfoRequest\x1a\x1f.kiln.v1.GetSessionInfoResponse\x12H\n\x0b\x46orkSession\x12\x1b.kiln.v1.ForkSessionRequest\x1a\x1c.kiln.v1.ForkSessionResponse\x12K\n\x0cListSessions\x12\x1c.kiln.v1.ListSessionsRequest\x1a\x1d.kiln.v1.ListSessionsResponse\x12?\n\x08Tokenize\x12\x18.kiln.v1.TokenizeRequest\x1a\x19.kiln.v1.TokenizeResponse\x12\x45\n\nDetokenize\x12\x1a.kiln.v1.DetokenizeRequest\x1a\x1b.kiln.v1.DetokenizeResponse\x12\x39\n\x06Health\x12\x16.kiln.v1.HealthRequest\x1a\x17.kiln.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kiln.v1.runtime_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2041
-  _globals['_FINISHREASON']._serialized_end=2165
-  _globals['_SERVINGSTATUS']._serialized_start=2168
-  _globals['_SERVINGSTATUS']._serialized_end=2311
+  _globals['_FINISHREASON']._serialized_start=2147
+  _globals['_FINISHREASON']._serialized_end=2271
+  _globals['_SERVINGSTATUS']._serialized_start=2274
+  _globals['_SERVINGSTATUS']._serialized_end=2417
   _globals['_SESSIONINFO']._serialized_start=35
   _globals['_SESSIONINFO']._serialized_end=291
   _globals['_USAGE']._serialized_start=293
@@ -48,41 +48,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_APPENDTOKENSRESPONSE']._serialized_start=599
   _globals['_APPENDTOKENSRESPONSE']._serialized_end=660
   _globals['_GENERATEREQUEST']._serialized_start=663
-  _globals['_GENERATEREQUEST']._serialized_end=946
-  _globals['_GENERATEEVENT']._serialized_start=948
-  _globals['_GENERATEEVENT']._serialized_end=1046
-  _globals['_TOKENCHUNK']._serialized_start=1048
-  _globals['_TOKENCHUNK']._serialized_end=1097
-  _globals['_FINISH']._serialized_start=1099
-  _globals['_FINISH']._serialized_end=1219
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1221
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1262
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1264
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1286
-  _globals['_GETSESSIONINFOREQUEST']._serialized_start=1288
-  _globals['_GETSESSIONINFOREQUEST']._serialized_end=1331
-  _globals['_GETSESSIONINFORESPONSE']._serialized_start=1333
-  _globals['_GETSESSIONINFORESPONSE']._serialized_end=1396
-  _globals['_FORKSESSIONREQUEST']._serialized_start=1398
-  _globals['_FORKSESSIONREQUEST']._serialized_end=1462
-  _globals['_FORKSESSIONRESPONSE']._serialized_start=1464
-  _globals['_FORKSESSIONRESPONSE']._serialized_end=1524
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=1526
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=1547
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1549
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1611
-  _globals['_TOKENIZEREQUEST']._serialized_start=1613
-  _globals['_TOKENIZEREQUEST']._serialized_end=1672
-  _globals['_TOKENIZERESPONSE']._serialized_start=1674
-  _globals['_TOKENIZERESPONSE']._serialized_end=1711
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1713
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1780
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1782
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1816
-  _globals['_HEALTHREQUEST']._serialized_start=1818
-  _globals['_HEALTHREQUEST']._serialized_end=1833
-  _globals['_HEALTHRESPONSE']._serialized_start=1836
-  _globals['_HEALTHRESPONSE']._serialized_end=2039
-  _globals['_RUNTIME']._serialized_start=2314
-  _globals['_RUNTIME']._serialized_end=3050
+  _globals['_GENERATEREQUEST']._serialized_end=1052
+  _globals['_GENERATEEVENT']._serialized_start=1054
+  _globals['_GENERATEEVENT']._serialized_end=1152
+  _globals['_TOKENCHUNK']._serialized_start=1154
+  _globals['_TOKENCHUNK']._serialized_end=1203
+  _globals['_FINISH']._serialized_start=1205
+  _globals['_FINISH']._serialized_end=1325
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1327
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1368
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1370
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1392
+  _globals['_GETSESSIONINFOREQUEST']._serialized_start=1394
+  _globals['_GETSESSIONINFOREQUEST']._serialized_end=1437
+  _globals['_GETSESSIONINFORESPONSE']._serialized_start=1439
+  _globals['_GETSESSIONINFORESPONSE']._serialized_end=1502
+  _globals['_FORKSESSIONREQUEST']._serialized_start=1504
+  _globals['_FORKSESSIONREQUEST']._serialized_end=1568
+  _globals['_FORKSESSIONRESPONSE']._serialized_start=1570
+  _globals['_FORKSESSIONRESPONSE']._serialized_end=1630
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=1632
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=1653
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1655
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1717
+  _globals['_TOKENIZEREQUEST']._serialized_start=1719
+  _globals['_TOKENIZEREQUEST']._serialized_end=1778
+  _globals['_TOKENIZERESPONSE']._serialized_start=1780
+  _globals['_TOKENIZERESPONSE']._serialized_end=1817
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1819
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1886
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1888
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1922
+  _globals['_HEALTHREQUEST']._serialized_start=1924
+  _globals['_HEALTHREQUEST']._serialized_end=1939
+  _globals['_HEALTHRESPONSE']._serialized_start=1942
+  _globals['_HEALTHRESPONSE']._serialized_end=2145
+  _globals['_RUNTIME']._serialized_start=2420
+  _globals['_RUNTIME']._serialized_end=3156
 # @@protoc_insertion_point(module_scope)

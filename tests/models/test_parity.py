@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import re
 from collections import deque
 from itertools import zip_longest
@@ -32,6 +33,8 @@ from kiln.models.layers import RotaryEmbedding
 from tests.tiny_models import TINY_CONFIGS, hf_state_dict, random_hf_model, tiny_hf_model
 
 ATOL = 1e-4
+# KILN_TEST_DEVICE=cuda runs the engine-path parity tests on a GPU (both models and the KV cache there).
+DEVICE = os.environ.get("KILN_TEST_DEVICE", "cpu")
 NAN = float("nan")
 # 660 tokens: prefill chunks that cross position 512 and many page boundaries, then decode steps.
 LONG_CHUNKS = [211, 190, 137, 102] + [1] * 20
@@ -48,14 +51,14 @@ class Pair:
     def reference(self, tokens: list[int]) -> torch.Tensor:
         """[len(tokens), vocab] logits of one full causal forward in transformers."""
         with torch.no_grad():
-            return self.hf(input_ids=torch.tensor([tokens])).logits[0]
+            return self.hf(input_ids=torch.tensor([tokens], device=DEVICE)).logits[0]
 
 
 def make_pair(config: ModelConfig) -> Pair:
     hf = random_hf_model(config)
-    ours = build_model(config)
+    ours = build_model(config, device=DEVICE)
     ours.load_weights(hf_state_dict(hf))
-    return Pair(config, hf, ours)
+    return Pair(config, hf.to(DEVICE), ours)
 
 
 @pytest.fixture(scope="module", params=list(TINY_CONFIGS))
@@ -83,15 +86,16 @@ class PoisonedCache:
         page_size: int,
         num_tokens: int,
         dtype: torch.dtype = torch.float32,
+        batch_invariant: bool = False,
     ) -> None:
         layout = KVLayout.for_model(config, page_size)
         num_pages = 2 * layout.num_groups * (num_tokens // page_size + 1)
         kv_format = KVFormat("tiny", dtype_name(dtype), dtype_name(dtype), "raw", page_size)
-        self.cache = KVCache(layout, num_pages, dtype, "cpu", kv_format)
+        self.cache = KVCache(layout, num_pages, dtype, DEVICE, kv_format)
         self.cache.storage.data.fill_(NAN)
         self.generator = torch.Generator().manual_seed(0)
         self.cache._free = deque(torch.randperm(num_pages, generator=self.generator).tolist())
-        self.runner = ModelRunner(model, self.cache.storage)
+        self.runner = ModelRunner(model, self.cache.storage, batch_invariant)
         self.released = 0
 
     def admit(self, tokens: list[int]) -> Sequence:
@@ -149,7 +153,7 @@ def window_released(layout: KVLayout, num_tokens: int) -> int:
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape
-    return (a - b).abs().max().item()
+    return (a.cpu() - b.cpu()).abs().max().item()
 
 
 def test_one_shot_prefill(pair: Pair) -> None:
@@ -228,7 +232,7 @@ def test_window_and_rope_scaling_are_exercised(name: str) -> None:
         variants.append(dataclasses.replace(pair.config, rope_scaling=None))
     tokens = random_tokens(40, seed=7)
     for config in variants:
-        model = build_model(config)
+        model = build_model(config, device=DEVICE)
         model.load_weights(hf_state_dict(pair.hf))
         ours = solo(PoisonedCache(model, config, 4, len(tokens)), tokens, [40])
         assert max_diff(ours, pair.reference(tokens)) > 1e-2
@@ -238,12 +242,12 @@ def test_bfloat16_model_tracks_transformers_in_bfloat16(pair: Pair) -> None:
     """bf16 rounds differently in SDPA and eager attention, so only closeness is asserted; this guards the
     dtype plumbing (norms in fp32, rotary tables and Gemma's embedding scale cast like transformers)."""
     hf = copy.deepcopy(pair.hf).to(torch.bfloat16)
-    model = build_model(pair.config, dtype=torch.bfloat16)
+    model = build_model(pair.config, dtype=torch.bfloat16, device=DEVICE)
     model.load_weights(hf_state_dict(hf))
     tokens = random_tokens(40, seed=8)
     ours = solo(PoisonedCache(model, pair.config, 4, len(tokens), dtype=torch.bfloat16), tokens, [13, 27])
     with torch.no_grad():
-        reference = hf(input_ids=torch.tensor([tokens])).logits[0].float()
+        reference = hf(input_ids=torch.tensor([tokens], device=DEVICE)).logits[0].float()
     assert ours.dtype == torch.float32
     assert max_diff(ours, reference) <= 0.02 * reference.abs().max().item()
 

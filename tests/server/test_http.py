@@ -154,8 +154,8 @@ def test_multi_turn_chat_reuses_the_repeated_history(oai, model, http):
 def test_openai_client_raises_typed_errors(oai, model):
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="only n=1"):
-        oai.completions.create(model=model, prompt="hi", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="less than or equal to 16"):
+        oai.completions.create(model=model, prompt="hi", max_tokens=2, n=17)
     with pytest.raises(openai.BadRequestError, match="image_url"):
         oai.chat.completions.create(model=model, max_tokens=2, messages=[
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}])
@@ -245,13 +245,16 @@ def wait_idle(http: httpx.Client, session: str) -> dict:
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "bogus": 1}, "bogus"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**9},
+     "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "temperature": "warm"}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
-    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, None),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ("/v1/sessions", {"token_ids": [1], "ttl": 5}, "ttl"),
-    ("/v1/sessions", {"token_ids": [1], "ttl_s": 1e-300}, None),  # would expire before the reply
-    ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "hi"}]}, None),
+    ("/v1/sessions", {"token_ids": [1], "ttl_s": 1e-300}, "ttl_s"),  # would expire before the reply
+    ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "hi"}]}, "messages[0].role"),
     ("/v1/completions", {"prompt": "hi", "stop": [1, 2]}, "stop"),
 ])
 def test_invalid_requests_get_400_envelopes(http, path, body, param):

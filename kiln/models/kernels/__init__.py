@@ -1,0 +1,67 @@
+"""Kiln's C++ CPU kernels (linear.cpp, attention.cpp), compiled on first use with the machine's C++ compiler.
+
+The build lands in PyTorch's extension directory ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions)
+under a name with a digest of the sources, the compiler flags and the PyTorch version, so it happens
+once per machine (about 40 s on the 2-core machines here), whatever converted-weight cache a process
+uses, and a changed source or PyTorch never loads a stale library. Concurrent first uses in several
+processes wait on one build (PyTorch's build lock).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kiln.errors import UnavailableError
+
+SOURCES = [Path(__file__).with_name(name) for name in ("linear.cpp", "attention.cpp")]
+# -ffp-contract=off: the compiler must not fuse a multiply and an add on its own, which it may do in one
+# inlined copy of a loop and not in another; the kernels' results must not depend on which copy ran.
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+
+
+def supported() -> bool:
+    """The kernels need an x86 CPU with AVX2 and FMA (PyTorch reports AVX2 or better)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@functools.cache
+def kernels() -> ModuleType:
+    """The compiled extension: linear_f32, linear_int8, linear_int4 (linear.cpp), paged_attention
+    (attention.cpp)."""
+    if not supported():
+        raise UnavailableError(
+            f"Kiln's CPU kernels need AVX2 and FMA; this CPU reports {torch.backends.cpu.get_cpu_capability()}"
+        )
+    from torch.utils.cpp_extension import load  # imported late: it pulls in setuptools
+
+    source = b"".join(path.read_bytes() for path in SOURCES)
+    digest = hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
+    _ninja_on_path()
+    try:
+        return load(
+            name=f"kiln_kernels_{digest}",
+            sources=[str(path) for path in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+        )
+    except (OSError, RuntimeError) as error:  # no compiler, no ninja, a failed build
+        raise UnavailableError(f"could not build Kiln's CPU kernels: {error}") from error
+
+
+def _ninja_on_path() -> None:
+    """PyTorch's builder runs `ninja` from PATH; the pip package's binary is found even outside an
+    activated virtual environment."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"

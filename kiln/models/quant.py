@@ -1,0 +1,169 @@
+"""Weight-only quantised linear layers for CPU decode, computed by Kiln's own kernel (kernels/linear.cpp).
+
+Why: decoding one token reads every weight once, and on the CPU that read is the bound, not the
+arithmetic. The embedded Gemma 3 270M in fp32 reads 1.07 GB per token (671 MB of it the 262144 x 640 LM
+head) against ~23 GB/s of read bandwidth here (bench/throughput.py measures it). Weights are stored as
+int8 (one scale per output row) or int4 (one scale per 32 columns of a row) and widened to float32 only
+in registers; activations stay float32, so there is no activation quantisation error and a row's
+result never depends on the other rows of its batch (INV-3).
+bench/kernels.py measures the candidates this replaced (fbgemm fp16 and dynamic int8, aten's weight-only
+int8/int4, inductor); bench/weight_formats.py measures the formats on the whole model.
+
+Rows per call decide the path: up to KERNEL_MAX_ROWS rows (decode batches, speculative verification) run
+the kernel, which reads each weight once for all rows; a larger prefill chunk widens the matrix to
+float32 once and runs BLAS, which is faster there than a kernel built for streaming. `batch_invariant`
+(the deterministic mode) runs the kernel at every size: its per-element arithmetic does not depend on
+the row count, BLAS's does. Format "float32" keeps exact weights and exists for that mode alone.
+
+Quantisation happens once per model source and format; `quantize_model` keeps the result next to the
+converted weights (see weight_cache) so later starts read it back.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from kiln.errors import InvalidArgumentError
+from kiln.models.kernels import kernels
+
+if TYPE_CHECKING:
+    from kiln.models.causal_lm import CausalLM
+
+QUANTIZATIONS = ("int8", "int4")
+KERNEL_FORMATS = ("float32", *QUANTIZATIONS)
+INT4_GROUP = 32  # columns sharing one int4 scale (the kernel's group)
+# Above this many rows, widening the weights to float32 and running BLAS beats the kernel (bench/kernels.py:
+# at 256 rows 14.4 vs 16.9 ms on the gate/up projection). Widening costs the same whatever the row count and
+# is large for the LM head (a 671 MB write), so the kernel keeps everything short of a prefill chunk.
+KERNEL_MAX_ROWS = 64
+QUANT_VERSION = 1  # bump when the stored quantised format changes
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W^T + b with W in `fmt`: x [..., in_features] float32 -> [..., out_features] float32.
+
+    Buffers: `weight` (float32 [N, K], int8 [N, K], or int4 packed as uint8 [N, K/2], see linear.cpp) and
+    `scale` (int8: [N]; int4: [N, K/32]; float32: none), `bias` when the layer has one.
+    """
+
+    def __init__(self, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                 batch_invariant: bool = False) -> None:
+        super().__init__()
+        if fmt not in KERNEL_FORMATS:
+            raise InvalidArgumentError(f"quantization must be one of {list(QUANTIZATIONS)}, got {fmt!r}")
+        self.fmt = fmt
+        self.out_features = weight.shape[0]
+        self.in_features = weight.shape[1] * (2 if fmt == "int4" else 1)
+        self.batch_invariant = batch_invariant
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, batch_invariant: bool = False) -> QuantizedLinear:
+        """From a float32 [N, K] weight (not modified; float32 shares it)."""
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise InvalidArgumentError(f"quantization needs float32 CPU weights, got {weight.dtype} on {weight.device}")
+        weight = weight.detach()
+        bias = None if bias is None else bias.detach().contiguous()
+        if fmt == "float32":
+            return cls(fmt, weight.contiguous(), None, bias, batch_invariant)
+        if fmt == "int8":
+            scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
+            q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            return cls(fmt, q, scale.contiguous(), bias, batch_invariant)
+        if fmt != "int4":
+            raise InvalidArgumentError(f"quantization must be one of {list(QUANTIZATIONS)}, got {fmt!r}")
+        rows, cols = weight.shape
+        if cols % INT4_GROUP:
+            raise InvalidArgumentError(f"int4 needs in_features divisible by {INT4_GROUP}, got {cols}")
+        groups = weight.reshape(rows, cols // INT4_GROUP, INT4_GROUP)
+        scale = groups.abs().amax(dim=2).clamp(min=1e-12) / 7
+        nibbles = (torch.round(groups / scale[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
+        half = INT4_GROUP // 2  # byte j of a group: element j low, element j + 16 high
+        packed = (nibbles[..., :half] | (nibbles[..., half:] << 4)).reshape(rows, cols // 2)
+        return cls(fmt, packed.contiguous(), scale.contiguous(), bias, batch_invariant)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 [N, K] matrix the stored weights stand for."""
+        if self.fmt == "float32":
+            return self.weight
+        if self.fmt == "int8":
+            return self.weight.float() * self.scale[:, None]
+        half = INT4_GROUP // 2
+        grouped = self.weight.view(self.out_features, -1, half)
+        nibbles = torch.cat([grouped & 0x0F, grouped >> 4], dim=2).float() - 8
+        return (nibbles * self.scale[..., None]).reshape(self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        """What one forward reads from memory."""
+        return sum(t.nbytes for t in (self.weight, self.scale, self.bias) if t is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.batch_invariant and x.numel() > KERNEL_MAX_ROWS * self.in_features:
+            return F.linear(x, self.dequantized(), self.bias)
+        if self.fmt == "float32":
+            return kernels().linear_f32(x, self.weight, self.bias)
+        return getattr(kernels(), f"linear_{self.fmt}")(x, self.weight, self.scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+def quantize_model(model: CausalLM, fmt: str | None, batch_invariant: bool = False, cache_file: Path | None = None) -> CausalLM:
+    """Swap every nn.Linear (fused qkv, o, fused gate/up, down, an untied head) for a QuantizedLinear in
+    `fmt` and give the model a quantised LM head, in place; returns the model. A tied embedding table
+    stays float32 for lookups. fmt None keeps float32 weights: unchanged unless `batch_invariant`, which
+    routes them through the kernel. `cache_file` holds the quantised tensors: read when it exists,
+    written (atomically) when not. Call after load_weights."""
+    if fmt is None and not batch_invariant:
+        return model
+    fmt = fmt or "float32"
+    if fmt not in KERNEL_FORMATS:
+        raise InvalidArgumentError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {fmt!r}")
+    kernels()  # build (or load) the kernels now, not inside the first request
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    head_name = "lm_head" if model.lm_head is not None else "tied_lm_head"
+    sources = {**linears, head_name: model.head_weight}
+    stored = load_file(cache_file) if cache_file is not None and fmt != "float32" and cache_file.exists() else None
+    built: dict[str, QuantizedLinear] = {}
+    for name, source in sources.items():
+        weight, bias = (source.weight, source.bias) if isinstance(source, nn.Linear) else (source, None)
+        if stored is not None and f"{name}.weight" in stored:
+            built[name] = QuantizedLinear(fmt, stored[f"{name}.weight"], stored.get(f"{name}.scale"), stored.get(f"{name}.bias"), batch_invariant)
+        else:
+            built[name] = QuantizedLinear.quantize(weight, bias, fmt, batch_invariant)
+    if cache_file is not None and fmt != "float32" and stored is None:
+        _save(cache_file, {f"{name}.{key}": t for name, m in built.items() for key, t in m.state_dict().items()})
+    head = built.pop(head_name)
+    for name, layer in built.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+    model.use_head(head)
+    return model
+
+
+def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write-then-rename, so a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-quant-")
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def quantized_file(entry: Path, fmt: str) -> Path:
+    return entry / f"quantized-{fmt}-v{QUANT_VERSION}.safetensors"
