@@ -70,7 +70,7 @@ class EngineConfig:
             problems.append(f"deterministic must be a boolean, got {self.deterministic!r}")
         elif self.deterministic and (not on_cpu or self.dtype != "float32" or self.kv_dtype not in (None, "float32") or not kernels_supported()):
             problems.append(
-                f"deterministic needs device 'cpu' with AVX2, dtype 'float32' and float32 KV pages (got dtype {self.dtype!r}, "
+                f"deterministic needs device 'cpu' with AVX2 and a C++ compiler, dtype 'float32' and float32 KV pages (got dtype {self.dtype!r}, "
                 f"kv_dtype {self.kv_dtype!r} on {self.device!r}): its batch-invariant kernels exist for that only"
             )
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:

@@ -150,6 +150,13 @@ def test_default_is_int8_on_this_cpu_and_none_is_exact() -> None:
     assert EngineConfig(dtype="bfloat16").quantization is None  # auto: the kernels take float32
 
 
+def test_without_a_compiler_auto_is_exact_and_deterministic_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", "no-such-c++-compiler")
+    assert EngineConfig().quantization is None
+    with pytest.raises(InvalidArgumentError, match="deterministic needs"):
+        EngineConfig(deterministic=True)
+
+
 def test_bad_names_and_combinations_are_refused_before_loading() -> None:
     with pytest.raises(InvalidArgumentError, match=r"quantization must be one of \['auto', 'int8', 'int4'\] or None, got 'q4'"):
         EngineConfig(quantization="q4")

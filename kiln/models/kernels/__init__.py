@@ -27,8 +27,11 @@ CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 
 
 def supported() -> bool:
-    """The kernels need an x86 CPU with AVX2 and FMA (PyTorch reports AVX2 or better)."""
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    """The kernels need an x86 CPU with AVX2 and FMA (PyTorch reports AVX2 or better) and a C++ compiler
+    to build them (PyTorch's builder runs $CXX, else c++). Where either is missing, "auto" picks the
+    exact path and decode gathers pages instead."""
+    compiler = os.environ.get("CXX", "c++")
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and shutil.which(compiler) is not None
 
 
 @functools.cache
