@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -43,8 +44,21 @@ class KVSlice:
 class _GroupStep:
     rows: torch.Tensor  # [N] row base (see PageStorage.row_base) where each new token's K/V goes
     block_table: torch.Tensor  # [B, P] pages each sequence reads (padded with its first page; masked)
-    mask: torch.Tensor  # [B, Q, P * page_size] True where query q of sequence b may attend to that key
     first_pos: torch.Tensor  # [B, P] position of each listed page's first slot (padding: NO_POSITION)
+    query_pos: torch.Tensor  # [B, Q] position of each query (padding repeats the sequence's last)
+    window: int | None
+    page_size: int
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, Q, P * page_size] True where query q of sequence b may attend to that key. Built on first
+        read: steps that attend in place (decode, the deterministic mode) never need it."""
+        key_pos = (self.first_pos[:, :, None] + torch.arange(self.page_size, device=self.first_pos.device)).view(len(self.first_pos), -1)
+        q = self.query_pos[:, :, None]
+        mask = key_pos[:, None, :] <= q
+        if self.window is not None:
+            mask &= key_pos[:, None, :] > q - self.window
+        return mask
 
 
 class Workspace:
@@ -88,12 +102,6 @@ class KVStep:
         first_pos = torch.tensor(
             [[i * ps for i in s.page_indices[g]] + [NO_POSITION] * (width - len(s.pages[g])) for s in slices], device=device
         )
-        key_pos = (first_pos[:, :, None] + torch.arange(ps, device=device)).view(len(slices), -1)
-        q = query_pos[:, :, None]
-        mask = key_pos[:, None, :] <= q
-        window = self.layout.groups[g].window
-        if window is not None:
-            mask &= key_pos[:, None, :] > q - window
         pages, offsets = [], []
         for s in slices:
             # The pages new tokens go to end the slice's list, one per index: find the first by bisection
@@ -103,7 +111,7 @@ class KVStep:
                 pages.append(s.pages[g][first + position // ps - s.start // ps])
                 offsets.append(position % ps)
         rows = self.storage.row_base(torch.tensor(pages, device=device), torch.tensor(offsets, device=device))
-        return _GroupStep(rows, block_table, mask, first_pos)
+        return _GroupStep(rows, block_table, first_pos, query_pos, self.layout.groups[g].window, ps)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's new K/V of one layer: k, v [N, kv_heads, head_dim]."""
