@@ -9,9 +9,8 @@ the candidates of a shape take turns call by call, so load from other processes 
 
 Candidates: fp32 F.linear (MKL); fbgemm fp16 and fbgemm dynamic int8 (activations quantised per
 tensor); aten's weight-only int8 (_weight_int8pack_mm) and int4 (_weight_int4pack_mm_for_cpu, groups of
-32); inductor (torch.compile) of the weight-only int8 matmul; Kiln's kernels (kiln/models/kernels) for
-int8 and int4, and QuantizedLinear as the engine calls it (the kernel up to 64 rows, widen-and-BLAS
-above). Writes bench/results/kernels.json and .png.
+32); inductor (torch.compile) of the weight-only int8 matmul; Kiln's int8 kernel (kiln/models/kernels),
+and QuantizedLinear as the engine calls it (the kernel up to 64 rows, widen-and-BLAS above). Writes bench/results/kernels.json and .png.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ SHAPES = {"lm_head": (262144, 640), "gate_up_proj": (4096, 640), "down_proj": (6
 def candidates(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     n, k = weight.shape
     int8 = QuantizedLinear.quantize(weight, None, "int8")
-    int4 = QuantizedLinear.quantize(weight, None, "int4")
     ext = kernels()
     previous = torch.backends.quantized.engine
     torch.backends.quantized.engine = "fbgemm"
@@ -60,9 +58,7 @@ def candidates(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch
         "aten int4 weight-only": lambda x: torch._weight_int4pack_mm_for_cpu(x, aten4, 32, scale_zero),
         "inductor int8 weight-only": lambda x: woq(x, int8.weight, int8.scale),
         "kiln int8 kernel": lambda x: ext.linear_int8(x, int8.weight, int8.scale, None),
-        "kiln int4 kernel": lambda x: ext.linear_int4(x, int4.weight, int4.scale, None),
         "kiln int8 (QuantizedLinear)": int8,
-        "kiln int4 (QuantizedLinear)": int4,
     }
 
 

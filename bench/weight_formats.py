@@ -44,7 +44,7 @@ from kiln.models.causal_lm import CausalLM
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"
 PPL_TEXT = "bench/data/perplexity.txt"
-FORMATS = {"exact": None, "int8": "int8", "int4": "int4"}  # label -> EngineConfig.quantization
+FORMATS = {"exact": None, "int8": "int8"}  # label -> EngineConfig.quantization
 AGREEMENT_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",

@@ -21,7 +21,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     parser.add_argument("--quantization", choices=[*QUANTIZATIONS, "none"], default=None,
-                        help="weight-only quantisation of projections and LM head (default auto: int8 on AVX2 CPUs); "
+                        help="int8 projections and LM head (default auto: int8 on AVX2 CPUs with a C++ compiler); "
                         "none = exact weights in --dtype")
     parser.add_argument("--deterministic", action="store_true", default=None,
                         help="bit-identical logits whatever the batch and prefill chunking (slower prefill)")

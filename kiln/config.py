@@ -11,7 +11,7 @@ from kiln.models.kernels import supported as kernels_supported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # How the projections and the LM head are stored (kiln/models/quant.py); "auto" picks per machine.
-QUANTIZATIONS = ("auto", "int8", "int4")
+QUANTIZATIONS = ("auto", "int8")
 SPECULATIVE_METHODS = ("ngram",)  # kiln/engine/speculative.py
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -21,10 +21,10 @@ class EngineConfig:
     model: str | None = None  # HF-style directory or .gguf file; None = the embedded Gemma 3 270M
     device: str = "cpu"
     dtype: str = "float32"  # weights and activations
-    # Weight-only quantisation of the projections and the LM head (kiln/models/quant.py). CPU decode is
-    # bound by reading weights: "int8" reads a quarter of fp32's bytes (embedded model perplexity within
-    # 0.1 %), "int4" an eighth (bench/weight_formats.py). None is the exact path in `dtype`, the reference
-    # of the parity tests. "auto": int8 on a CPU with AVX2 and dtype float32, else None.
+    # int8 projections and LM head (kiln/models/quant.py). CPU decode is bound by reading weights: int8
+    # reads a quarter of fp32's bytes (embedded model perplexity +0.4 %, bench/weight_formats.py). None is
+    # the exact path in `dtype`, the reference of the parity tests. "auto": int8 on a CPU with AVX2 and a
+    # C++ compiler and dtype float32, else None.
     quantization: str | None = "auto"
     # Bit-identical logits for a sequence whatever shares its batch, however its prefill is chunked, and
     # whether computed incrementally or at once: batch-invariant kernels for every matmul and attention.
@@ -82,6 +82,12 @@ class EngineConfig:
             problems.append("session_ttl_s must be positive")
         if problems:
             raise InvalidArgumentError("invalid engine config: " + "; ".join(problems))
+
+    @property
+    def fused_kernels(self) -> bool:
+        """Whether the model computes norms and RoPE with Kiln's fused CPU kernels (CausalLM.use_kernels):
+        float32 on a CPU that has them."""
+        return self.device.split(":")[0] == "cpu" and self.dtype == "float32" and kernels_supported()
 
     @property
     def torch_dtype(self) -> torch.dtype:

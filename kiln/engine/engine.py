@@ -68,6 +68,9 @@ class Engine:
         quantized = config.quantization
         cache_file = quantized_file(loaded.cache_entry, quantized) if loaded.cache_entry and quantized else None
         quantize_model(self.model, quantized, batch_invariant=config.deterministic, cache_file=cache_file)
+        fused = config.fused_kernels
+        if fused:
+            self.model.use_kernels()
         layout = KVLayout.for_model(loaded.config, config.page_size)
         kv_dtype = config.torch_kv_dtype
         num_pages = config.kv_budget_bytes // layout.page_bytes(torch.empty(0, dtype=kv_dtype).element_size())
@@ -75,6 +78,8 @@ class Engine:
             raise InvalidArgumentError(f"kv_budget_bytes {config.kv_budget_bytes} holds fewer pages than one token needs")
         # K/V bits depend on how the weights are stored and on the kernels (batch-invariant or BLAS).
         weights = f"{dtype_name(config.torch_dtype)}/{quantized or 'exact'}" + ("/deterministic" if config.deterministic else "")
+        if fused:
+            weights += "/fused"
         kv_format = KVFormat(loaded.fingerprint, weights, dtype_name(kv_dtype), "raw", config.page_size)
         self._cache = KVCache(layout, num_pages, kv_dtype, config.device, kv_format)
         self._runner = ModelRunner(self.model, self._cache.storage, config.deterministic)

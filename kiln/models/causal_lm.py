@@ -13,7 +13,8 @@ from torch import nn
 
 from kiln.errors import InvalidArgumentError
 from kiln.models.config import ModelConfig
-from kiln.models.layers import HFSource, RMSNorm
+from kiln.models.kernels import kernels
+from kiln.models.layers import Attention, HFSource, RMSNorm
 from kiln.models.quant import QuantizedLinear
 
 
@@ -76,6 +77,19 @@ class CausalLM(nn.Module):
         fp32 head and the transposed copy are dropped; a tied embedding table stays for lookups."""
         self.lm_head = head
         self._head_t = None
+
+    def use_kernels(self) -> None:
+        """Compute norms and q/k norms + RoPE with Kiln's fused CPU kernels (kernels/norms.cpp) from now on:
+        float32 on a CPU the kernels support. Decode of a small model is dominated by per-op overhead
+        there, and these replace about twenty ops per layer; results agree with the op-by-op path to
+        float rounding. Widths the kernels do not take (norms not a multiple of 8 wide, heads not a
+        multiple of 16) keep the op-by-op path."""
+        kernels()  # built (or loaded) now, not inside the first request
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fused = module.weight.ndim == 1 and module.weight.shape[0] % 8 == 0
+            elif isinstance(module, Attention):
+                module.fused = module.head_dim % 16 == 0
 
     def _transposed_head(self, weight: torch.Tensor) -> torch.Tensor:
         cached = self._head_t

@@ -21,6 +21,7 @@ from torch import nn
 from kiln.errors import InvalidArgumentError
 from kiln.models.attention import AttentionBatch, paged_attention
 from kiln.models.config import ModelConfig, RopeScaling
+from kiln.models.kernels import kernels
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -54,8 +55,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape))
         self.eps = eps
         self.offset = offset
+        self.fused = False  # one C++ call (kernels/norms.cpp) instead of six ops; see CausalLM.use_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return kernels().rms_norm(x, self.weight, self.eps, float(self.offset))
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.offset:
             return (normed * (1.0 + self.weight.float())).type_as(x)
@@ -159,6 +163,7 @@ class Attention(nn.Module):
             if config.qk_norm
             else None
         )
+        self.fused = False  # q/k norms and RoPE in one C++ call (kernels/norms.cpp); see CausalLM.use_kernels
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch
@@ -167,9 +172,14 @@ class Attention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv_proj(x).view(n, -1, self.head_dim)
         qk, v = qkv.split([self.heads + self.kv_heads, self.kv_heads], dim=1)
-        if self.qk_norm is not None:
-            qk = self.qk_norm(qk)
-        q, k = apply_rotary(qk, cos, sin).split([self.heads, self.kv_heads], dim=1)
+        if self.fused:
+            norm = self.qk_norm
+            q, k = kernels().qk_norm_rope(qkv, None if norm is None else norm.weight, norm.eps if norm else 0.0,
+                                          float(norm is not None and norm.offset), cos.view(n, -1), sin.view(n, -1), self.heads)
+        else:
+            if self.qk_norm is not None:
+                qk = self.qk_norm(qk)
+            q, k = apply_rotary(qk, cos, sin).split([self.heads, self.kv_heads], dim=1)
         out = paged_attention(q, k, v, self.layer, batch, self.scale)
         return self.o_proj(out.reshape(n, self.heads * self.head_dim))
 

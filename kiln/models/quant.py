@@ -1,13 +1,16 @@
-"""Weight-only quantised linear layers for CPU decode, computed by Kiln's own kernel (kernels/linear.cpp).
+"""Weight-only int8 linear layers for CPU decode, computed by Kiln's own kernel (kernels/linear.cpp).
 
 Why: decoding one token reads every weight once, and on the CPU that read is the bound, not the
 arithmetic. The embedded Gemma 3 270M in fp32 reads 1.07 GB per token (671 MB of it the 262144 x 640 LM
 head) against ~23 GB/s of read bandwidth here (bench/throughput.py measures it). Weights are stored as
-int8 (one scale per output row) or int4 (one scale per 32 columns of a row) and widened to float32 only
-in registers; activations stay float32, so there is no activation quantisation error and a row's
-result never depends on the other rows of its batch (INV-3).
-bench/kernels.py measures the candidates this replaced (fbgemm fp16 and dynamic int8, aten's weight-only
-int8/int4, inductor); bench/weight_formats.py measures the formats on the whole model.
+int8 (one scale per output row) and widened to float32 only in registers; activations stay float32, so
+there is no activation quantisation error and a row's result never depends on the other rows of its
+batch (INV-3). bench/kernels.py measures the candidates this replaced (fbgemm fp16 and dynamic int8,
+aten's weight-only int8/int4, inductor); bench/weight_formats.py measures the format on the whole model.
+Two more were tried and dropped: int4 weights in groups of 32 (+93 % perplexity on the embedded model,
+and no faster), and int8 activations per 32-value block against int8 weights (llama.cpp's Q8_0 dot
+product: 1.1-1.4x on the kernel alone, nothing on the memory-bound LM head, and a changed input rounding
+turns float-order differences into whole int8 steps, breaking the 1e-4 agreement of prefill and decode).
 
 Rows per call decide the path: up to KERNEL_MAX_ROWS rows (decode batches, speculative verification) run
 the kernel, which reads each weight once for all rows; a larger prefill chunk widens the matrix to
@@ -37,9 +40,8 @@ from kiln.models.kernels import kernels
 if TYPE_CHECKING:
     from kiln.models.causal_lm import CausalLM
 
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8",)
 KERNEL_FORMATS = ("float32", *QUANTIZATIONS)
-INT4_GROUP = 32  # columns sharing one int4 scale (the kernel's group)
 # Above this many rows, widening the weights to float32 and running BLAS beats the kernel (bench/kernels.py:
 # at 256 rows 14.4 vs 16.9 ms on the gate/up projection). Widening costs the same whatever the row count and
 # is large for the LM head (a 671 MB write), so the kernel keeps everything short of a prefill chunk.
@@ -50,8 +52,8 @@ QUANT_VERSION = 1  # bump when the stored quantised format changes
 class QuantizedLinear(nn.Module):
     """y = x @ W^T + b with W in `fmt`: x [..., in_features] float32 -> [..., out_features] float32.
 
-    Buffers: `weight` (float32 [N, K], int8 [N, K], or int4 packed as uint8 [N, K/2], see linear.cpp) and
-    `scale` (int8: [N]; int4: [N, K/32]; float32: none), `bias` when the layer has one.
+    Buffers: `weight` (float32 or int8 [N, K]), `scale` (int8: [N]; float32: none), `bias` when the layer
+    has one.
     """
 
     def __init__(self, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
@@ -61,7 +63,7 @@ class QuantizedLinear(nn.Module):
             raise InvalidArgumentError(f"quantization must be one of {list(QUANTIZATIONS)}, got {fmt!r}")
         self.fmt = fmt
         self.out_features = weight.shape[0]
-        self.in_features = weight.shape[1] * (2 if fmt == "int4" else 1)
+        self.in_features = weight.shape[1]
         self.batch_invariant = batch_invariant
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
@@ -76,32 +78,19 @@ class QuantizedLinear(nn.Module):
         bias = None if bias is None else bias.detach().contiguous()
         if fmt == "float32":
             return cls(fmt, weight.contiguous(), None, bias, batch_invariant)
-        if fmt == "int8":
-            scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
-            q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-            return cls(fmt, q, scale.contiguous(), bias, batch_invariant)
-        if fmt != "int4":
+        if fmt != "int8":
             raise InvalidArgumentError(f"quantization must be one of {list(QUANTIZATIONS)}, got {fmt!r}")
-        rows, cols = weight.shape
-        if cols % INT4_GROUP:
-            raise InvalidArgumentError(f"int4 needs in_features divisible by {INT4_GROUP}, got {cols}")
-        groups = weight.reshape(rows, cols // INT4_GROUP, INT4_GROUP)
-        scale = groups.abs().amax(dim=2).clamp(min=1e-12) / 7
-        nibbles = (torch.round(groups / scale[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
-        half = INT4_GROUP // 2  # byte j of a group: element j low, element j + 16 high
-        packed = (nibbles[..., :half] | (nibbles[..., half:] << 4)).reshape(rows, cols // 2)
-        return cls(fmt, packed.contiguous(), scale.contiguous(), bias, batch_invariant)
+        if weight.shape[1] % 8:
+            raise InvalidArgumentError(f"int8 needs in_features divisible by 8, got {weight.shape[1]}")
+        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
+        q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return cls(fmt, q, scale.contiguous(), bias, batch_invariant)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 [N, K] matrix the stored weights stand for."""
         if self.fmt == "float32":
             return self.weight
-        if self.fmt == "int8":
-            return self.weight.float() * self.scale[:, None]
-        half = INT4_GROUP // 2
-        grouped = self.weight.view(self.out_features, -1, half)
-        nibbles = torch.cat([grouped & 0x0F, grouped >> 4], dim=2).float() - 8
-        return (nibbles * self.scale[..., None]).reshape(self.out_features, self.in_features)
+        return self.weight.float() * self.scale[:, None]
 
     @property
     def nbytes(self) -> int:
@@ -113,7 +102,7 @@ class QuantizedLinear(nn.Module):
             return F.linear(x, self.dequantized(), self.bias)
         if self.fmt == "float32":
             return kernels().linear_f32(x, self.weight, self.bias)
-        return getattr(kernels(), f"linear_{self.fmt}")(x, self.weight, self.scale, self.bias)
+        return kernels().linear_int8(x, self.weight, self.scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"

@@ -29,6 +29,7 @@ from kiln.models import build_model
 from kiln.models.causal_lm import CausalLM
 from kiln.models.config import ModelConfig, RopeScaling
 from kiln.models.hf_config import config_from_hf, hf_config_dict
+from kiln.models.kernels import supported as kernels_supported
 from kiln.models.layers import RotaryEmbedding
 from tests.tiny_models import TINY_CONFIGS, hf_state_dict, random_hf_model, tiny_hf_model
 
@@ -54,16 +55,25 @@ class Pair:
             return self.hf(input_ids=torch.tensor([tokens], device=DEVICE)).logits[0]
 
 
-def make_pair(config: ModelConfig) -> Pair:
+# Engines on a CPU with Kiln's kernels compute norms and RoPE with fused kernels (CausalLM.use_kernels);
+# elsewhere, op by op. Both paths are held to the same tolerance.
+FUSED = [False, True] if DEVICE == "cpu" and kernels_supported() else [False]
+
+
+def make_pair(config: ModelConfig, fused: bool = FUSED[-1]) -> Pair:
     hf = random_hf_model(config)
     ours = build_model(config, device=DEVICE)
     ours.load_weights(hf_state_dict(hf))
+    if fused:
+        ours.use_kernels()
     return Pair(config, hf.to(DEVICE), ours)
 
 
-@pytest.fixture(scope="module", params=list(TINY_CONFIGS))
+@pytest.fixture(scope="module", params=[(name, fused) for name in TINY_CONFIGS for fused in FUSED],
+                ids=lambda p: f"{p[0]}-{'fused' if p[1] else 'ops'}")
 def pair(request: pytest.FixtureRequest) -> Pair:
-    return make_pair(TINY_CONFIGS[request.param])
+    name, fused = request.param
+    return make_pair(TINY_CONFIGS[name], fused)
 
 
 WINDOWED_OR_SCALED = [name for name, c in TINY_CONFIGS.items() if c.sliding_window or c.rope_scaling]

@@ -1,4 +1,4 @@
-"""Kiln's C++ CPU kernels (linear.cpp, attention.cpp), compiled on first use with the machine's C++ compiler.
+"""Kiln's C++ CPU kernels (linear.cpp, attention.cpp, norms.cpp), compiled on first use with the machine's C++ compiler.
 
 The build lands in PyTorch's extension directory ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions)
 under a name with a digest of the sources, the compiler flags and the PyTorch version, so it happens
@@ -20,7 +20,7 @@ import torch
 
 from kiln.errors import UnavailableError
 
-SOURCES = [Path(__file__).with_name(name) for name in ("linear.cpp", "attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("linear.cpp", "attention.cpp", "norms.cpp")]
 # -ffp-contract=off: the compiler must not fuse a multiply and an add on its own, which it may do in one
 # inlined copy of a loop and not in another; the kernels' results must not depend on which copy ran.
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
@@ -36,8 +36,8 @@ def supported() -> bool:
 
 @functools.cache
 def kernels() -> ModuleType:
-    """The compiled extension: linear_f32, linear_int8, linear_int4 (linear.cpp), paged_attention
-    (attention.cpp)."""
+    """The compiled extension: linear_f32, linear_int8, quantize_rows (linear.cpp), paged_attention
+    (attention.cpp), rms_norm, qk_norm_rope (norms.cpp)."""
     if not supported():
         raise UnavailableError(
             f"Kiln's CPU kernels need AVX2 and FMA; this CPU reports {torch.backends.cpu.get_cpu_capability()}"
