@@ -89,6 +89,12 @@ class PageTiers:
     def tier_of(self, key: Hashable) -> str:
         return self._entries[key].tier
 
+    def references(self, key: Hashable | None = None) -> int:
+        """Page tables referencing `key` (None: the sum over every page)."""
+        if key is None:
+            return sum(entry.refs for entry in self._entries.values())
+        return self._entries[key].refs
+
     # ---- references -----------------------------------------------------------------------------------
 
     def hold(self, key: Hashable, page: torch.Tensor) -> bool:
