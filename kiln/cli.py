@@ -7,10 +7,10 @@ import sys
 
 from kiln.chat import reply_prefix, turn_closer, turn_text
 from kiln.config import QUANTIZATIONS, SPECULATIVE_METHODS
-from kiln.kv.codec import CODECS
-from kiln.kv.policy import POLICIES
 from kiln.engine.sampler import SamplingParams
 from kiln.errors import KilnError
+from kiln.kv.codec import CODECS
+from kiln.kv.policy import POLICIES
 from kiln.llm import LLM
 from kiln.server.service import MAX_REQUEST_BYTES
 from kiln.text import TextDeltas

@@ -18,6 +18,8 @@ from kiln.kv.pages import PageTable
 from kiln.kv.policy import FULL, KVPolicy
 from kiln.kv.tiers import PageTiers
 from kiln.models import build_model
+from kiln.models.causal_lm import CausalLM
+from kiln.models.config import ModelConfig
 from tests.tiny_models import TINY_CONFIGS, hf_state_dict, tiny_hf_model
 
 PS = 8
@@ -31,18 +33,23 @@ def assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 class Harness:
-    """One model over one KVCache (tiers: `host_pages` pages of host memory, then disk) and a runner
-    streaming `stream_pages` pages at a time."""
+    """One model over one KVCache of `num_pages` pages of `page_size` tokens (tiers: `host_pages` pages of
+    host memory, then disk) and a runner streaming `stream_pages` pages at a time. `arch` names a tiny
+    model, or pass `model` and `config`."""
 
-    def __init__(self, arch: str, tmp_path, host_pages: int = 4, disk_pages: int = 4096, stream_pages: int = 3,
-                 codec: str = "none") -> None:
-        config = TINY_CONFIGS[arch]
-        self.model = build_model(config)
-        self.model.load_weights(hf_state_dict(tiny_hf_model(arch)))
-        layout = KVLayout.for_model(config, PS)
+    def __init__(self, arch: str | None, tmp_path, host_pages: int = 4, disk_pages: int = 4096, stream_pages: int = 3,
+                 codec: str = "none", model: CausalLM | None = None, config: ModelConfig | None = None,
+                 page_size: int = PS, num_pages: int = 512) -> None:
+        if arch is not None:
+            config = TINY_CONFIGS[arch]
+            model = build_model(config)
+            model.load_weights(hf_state_dict(tiny_hf_model(arch)))
+        self.model = model
+        layout = KVLayout.for_model(config, page_size)
         kv_codec = KVCodec(codec, layout, torch.float32)
         self.tiers = PageTiers(kv_codec, host_pages * kv_codec.page_nbytes, str(tmp_path), disk_pages * kv_codec.page_nbytes)
-        self.cache = KVCache(layout, 512, torch.float32, "cpu", KVFormat("tiny", "float32", "float32", codec, PS), self.tiers)
+        kv_format = KVFormat("test", "float32", "float32", codec, page_size)
+        self.cache = KVCache(layout, num_pages, torch.float32, "cpu", kv_format, self.tiers)
         self.runner = ModelRunner(self.model, self.cache.storage, tiers=self.tiers, stream_pages=stream_pages)
         self.streamed_steps = 0
 
