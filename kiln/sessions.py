@@ -284,6 +284,7 @@ class SessionStore:
             kv_policy=kv.policy.name,
             kv_sink_tokens=kv.policy.sink_tokens,
             kv_window_tokens=kv.policy.window_tokens,
+            global_kv_bytes=kv.global_bytes,
             kv_bytes_per_token=float(self.engine.kv_bytes_per_token),
             tier_bytes_per_token=self.engine.tier_bytes_per_token,
             host_tier_bytes=kv.tier_bytes["host"],

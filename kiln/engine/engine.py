@@ -59,6 +59,7 @@ class SequenceKV:
     resident_bytes: int
     policy: KVPolicy
     tier_bytes: dict[str, int]  # the sequence's pages in each tier (shared pages counted in full)
+    global_bytes: int  # of resident_bytes, the global-attention layers' pages: what the policy bounds
 
 
 class Engine:
@@ -232,12 +233,16 @@ class Engine:
     def sequence_kv(self, seq: Sequence) -> SequenceKV:
         with self._lock:
             pages = len(seq.table.resident())
+            layout = self._cache.layout
+            global_pages = sum(page is not None for group, table in zip(layout.groups, seq.table.pages, strict=True)
+                               if group.window is None for page in table)
             tiers = self._cache.tiers
             tier_bytes = dict.fromkeys(("host", "disk"), 0)
             for g, indices in enumerate(seq.table.tiered):
                 for i in indices:
                     tier_bytes[tiers.tier_of((g, seq.table.hashes[i]))] += tiers.codec.page_nbytes  # type: ignore[union-attr]
-            return SequenceKV(seq.num_computed, pages, pages * self._cache.page_bytes, seq.table.policy, tier_bytes)
+            page_bytes = self._cache.page_bytes
+            return SequenceKV(seq.num_computed, pages, pages * page_bytes, seq.table.policy, tier_bytes, global_pages * page_bytes)
 
     def release_sequence(self, seq: Sequence) -> None:
         """The sequence's owner is done with it: pages go back now, or when its running request ends."""

@@ -34,6 +34,7 @@ def test_restore_session_matches_full_with_bounded_resident_pages(tiny_llm, arch
     assert info.resident_kv_bytes < full.info().resident_kv_bytes / 3
     limit = KVPolicy("restore", 8, 32).resident_limit(PAGE)  # per group (gemma3's window groups keep fewer)
     assert info.resident_pages <= limit * (1 if arch == "llama" else 3)
+    assert 0 < info.global_kv_bytes <= limit * llm.engine.kv_page_bytes
     assert llm.engine.stats.max_step_attention_bytes > 0
     assert llm.engine.tier_usage().bytes["host"] >= info.host_tier_bytes
 

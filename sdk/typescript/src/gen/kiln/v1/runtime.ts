@@ -105,6 +105,11 @@ export interface SessionInfo {
   /** This session's evicted pages held in host memory and on disk (restore), bytes. */
   hostTierBytes: number;
   diskTierBytes: number;
+  /**
+   * Of resident_kv_bytes, the global-attention layers' pages: what kv_policy bounds (sliding-window
+   * layers keep only their window whatever the policy).
+   */
+  globalKvBytes: number;
 }
 
 /** Token accounting of one Generate. prompt_tokens = reused_tokens + prefilled_tokens. */
@@ -348,6 +353,7 @@ function createBaseSessionInfo(): SessionInfo {
     tierBytesPerToken: 0,
     hostTierBytes: 0,
     diskTierBytes: 0,
+    globalKvBytes: 0,
   };
 }
 
@@ -406,6 +412,9 @@ export const SessionInfo: MessageFns<SessionInfo> = {
     }
     if (message.diskTierBytes !== 0) {
       writer.uint32(208).uint64(message.diskTierBytes);
+    }
+    if (message.globalKvBytes !== 0) {
+      writer.uint32(216).uint64(message.globalKvBytes);
     }
     return writer;
   },
@@ -567,6 +576,14 @@ export const SessionInfo: MessageFns<SessionInfo> = {
             message.diskTierBytes = longToNumber(reader.uint64());
             continue;
           }
+          case 27: {
+            if (tag !== 216) {
+              break;
+            }
+
+            message.globalKvBytes = longToNumber(reader.uint64());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -602,6 +619,7 @@ export const SessionInfo: MessageFns<SessionInfo> = {
     message.tierBytesPerToken = object.tierBytesPerToken ?? 0;
     message.hostTierBytes = object.hostTierBytes ?? 0;
     message.diskTierBytes = object.diskTierBytes ?? 0;
+    message.globalKvBytes = object.globalKvBytes ?? 0;
     return message;
   },
 };
