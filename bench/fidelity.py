@@ -27,7 +27,6 @@ Writes bench/results/fidelity.json and .png. `--quick`: rungs 512,1024, 3 sample
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import tempfile
 import time
@@ -38,7 +37,7 @@ import common
 import torch
 
 from kiln import LLM
-from kiln.engine.runner import Chunk, ModelRunner
+from kiln.engine.runner import ModelRunner
 from kiln.engine.sequence import Sequence
 from kiln.kv.cache import KVCache
 from kiln.kv.codec import KVCodec
@@ -156,19 +155,7 @@ def perplexity(llm: LLM, policy: KVPolicy, codec: str, tokens: list[int], chunk:
     kv_format = KVFormat("bench", dtype_name(torch.float32), dtype_name(torch.float32), codec, layout.page_size)
     cache = KVCache(layout, pages, torch.float32, "cpu", kv_format, tiers)
     runner = ModelRunner(llm.engine.model, cache.storage, tiers=tiers, stream_pages=64)
-    seq = Sequence(tokens, PageTable.empty(layout.num_groups, policy))
-    nll, count = 0.0, 0
-    while seq.num_computed < len(tokens):
-        n = min(chunk, len(tokens) - seq.num_computed)
-        assert cache.ensure(seq.table, seq.num_computed + n)
-        logits = runner.run(runner.prepare([Chunk(seq, n, logit_rows=n)]))
-        start = seq.num_computed
-        seq.num_computed += n
-        cache.commit(seq.table, seq.tokens, seq.num_computed)
-        targets = torch.tensor(tokens[start + 1 : start + n + 1])
-        nll -= torch.log_softmax(logits[: len(targets)], dim=-1).gather(1, targets[:, None]).sum().item()
-        count += len(targets)
-    return math.exp(nll / count)
+    return common.teacher_forced_perplexity(cache, runner, Sequence(tokens, PageTable.empty(layout.num_groups, policy)), chunk)
 
 
 def main() -> None:
