@@ -172,7 +172,7 @@ class Engine:
                                        what if what.isidentifier() else None)
         return [int(t) for t in ids]
 
-    def check_request(self, num_tokens: int, params: SamplingParams) -> None:
+    def check_request(self, num_tokens: int, params: SamplingParams, policy: KVPolicy | None = None) -> None:
         """Raises if a generation over `num_tokens` of history can never run: empty, no room left in the
         context, larger than the whole KV pool, or a constraint that does not compile (compiled here, in
         the caller's thread, and cached: the engine thread never compiles)."""
@@ -182,7 +182,7 @@ class Engine:
             raise InvalidArgumentError(
                 f"history of {num_tokens} tokens leaves no room in the model's context of {self.max_model_len}"
             )
-        worst = self._worst_case_pages(min(num_tokens + params.max_tokens, self.max_model_len))
+        worst = self._worst_case_pages(min(num_tokens + params.max_tokens, self.max_model_len), policy or self.default_policy)
         if worst > self._cache.num_pages:
             raise ResourceExhaustedError(
                 f"this request may need {worst} KV pages; the pool has {self._cache.num_pages} "
@@ -192,12 +192,17 @@ class Engine:
         if params.constraint is not None:
             self._constraints.compile(params.constraint)
 
-    def _worst_case_pages(self, num_tokens: int) -> int:
+    def _worst_case_pages(self, num_tokens: int, policy: KVPolicy) -> int:
+        """Most pages a sequence of `num_tokens` holds at once: a window group its window plus a step's
+        tokens; a global group everything, or under a bounded policy its resident set plus a step's
+        tokens (restore's evicted pages are in a tier, or stay resident when no tier has room)."""
         pages = -(-num_tokens // self.config.page_size)
+        step_pages = -(-(self.config.max_batched_tokens + self.config.page_size) // self.config.page_size)
+        bounded = policy.resident_limit(self.config.page_size)
         total = 0
         for group in self._cache.layout.groups:
             if group.window is None:
-                total += pages
+                total += pages if bounded is None else min(pages, bounded + step_pages)
             else:
                 span = group.window + self.config.max_batched_tokens + self.config.page_size
                 total += min(pages, -(-span // self.config.page_size) + 1)
@@ -259,7 +264,7 @@ class Engine:
     def submit(self, seq: Sequence, params: SamplingParams, emit: Callable[[Event], None]) -> Request:
         """Queue a generation over `seq` (whose tokens are its prompt/history). Raises before queueing
         if it can never run: empty, longer than the context, or larger than the whole KV pool."""
-        self.check_request(len(seq.tokens), params)
+        self.check_request(len(seq.tokens), params, seq.table.policy)
         stop_ids = set(self.validate_tokens(params.stop_token_ids, "stop_token_ids"))
         if not params.ignore_eos:
             stop_ids.update(self.tokenizer.eos_token_ids)

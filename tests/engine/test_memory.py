@@ -5,7 +5,7 @@ with nothing changed."""
 import pytest
 
 from kiln.config import EngineConfig
-from kiln.errors import InvalidArgumentError
+from kiln.errors import InvalidArgumentError, ResourceExhaustedError
 from kiln.kv.policy import KVPolicy
 from kiln.server.metrics import Metrics
 from tests.engine.test_engine import prompts
@@ -101,3 +101,13 @@ def test_bad_session_policy_is_refused_and_creates_nothing(tiny_llm, options, fi
         llm.create_session([5, 6, 7], **options)
     assert raised.value.param == field
     assert len(llm.sessions) == 0 and llm.sessions.outcomes["created"] == 0
+
+
+def test_restore_runs_in_a_pool_too_small_for_the_full_history(tiny_llm):
+    history = prompts(1, 300, seed=6)[0]
+    big = tiny_llm("llama", page_size=PAGE, speculative=None)
+    expected = greedy(big.create_session(history))
+    small = tiny_llm("llama", kv_pages=30, page_size=PAGE, speculative=None, max_batched_tokens=64, prefill_chunk_tokens=64)
+    with pytest.raises(ResourceExhaustedError):
+        small.create_session(history).generate(max_tokens=24).result()
+    assert greedy(small.create_session(history, kv_policy="restore", **BOUNDED)) == expected
