@@ -102,4 +102,4 @@ class ModelRunner:
                 raise RuntimeError("a page the attention reads was released")
             pages.append(listed)  # type: ignore[arg-type]
             indices.append(index)
-        return KVSlice(start, size, pages, indices, tiered)
+        return KVSlice(start, size, pages, indices, tiered, stream=seq.table.policy.tiered)

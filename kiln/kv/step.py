@@ -36,6 +36,8 @@ class KVSlice:
                   i * page_size .. (i + 1) * page_size - 1).
     tiered:       per KV group, (page index, tier key) of the pages it also reads from a tier (a
                   `restore` policy), in position order, all before the listed pages' new tokens.
+    stream:       attend chunk by chunk (kiln/models/streamed_attention.py) even with nothing in a tier:
+                  a `restore` sequence's step memory stays bounded by the chunk, whatever it holds.
     """
 
     start: int
@@ -43,6 +45,7 @@ class KVSlice:
     pages: list[list[int]]
     page_indices: list[list[int]]
     tiered: list[list[tuple[int, Hashable]]] = field(default_factory=list)
+    stream: bool = False
 
 
 @dataclass
@@ -100,7 +103,7 @@ class KVStep:
         self.slices = slices
         self.tiers = tiers
         self.stream_pages = stream_pages
-        self.streamed = any(entries for s in slices for entries in s.tiered)
+        self.streamed = any(s.stream or any(s.tiered) for s in slices)
         self.peak_bytes = 0
         self.layer_slots = storage.layer_slots
         device = storage.data.device

@@ -60,7 +60,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [N, heads, head_dim]; k, v: [N, kv_heads, head_dim] (after RoPE/norms). Returns [N, heads, head_dim]."""
     batch.kv.write(layer, k, v)
-    if batch.kv.streamed:  # some pages are in a tier: chunk by chunk, whatever else the step holds
+    if batch.kv.streamed:  # a `restore` sequence (pages in a tier): chunk by chunk, whatever else the step holds
         return streamed_attention(q, layer, batch.kv, scale)
     if batch.in_place:
         k_pages, v_pages, group, window = batch.kv.pages(layer)

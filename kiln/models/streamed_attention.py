@@ -1,6 +1,7 @@
 """Streamed attention: exact attention over pages that are partly resident and partly in a tier.
 
-Used for every step in which some sequence reads tier pages (a `restore` policy). Per sequence, its keys
+Used for every step that holds a `restore` sequence (whether or not its pages are in a tier yet, so its
+step memory is bounded by the chunk either way). Per sequence, its keys
 are visited in chunks of `KVStep.stream_pages` pages (resident pages gathered from the pool, tier pages
 decoded by the tier's codec into float32 buffers) and the partial results are merged with the online
 softmax (running max, running sum, rescaled accumulator: FlashAttention's recurrence). The transient
