@@ -11,6 +11,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import platform
 import subprocess
@@ -188,6 +189,29 @@ def weight_bytes_per_token(model: Any) -> int:
     if model.lm_head is None:
         total += model.model.embed_tokens.weight.nbytes
     return total
+
+
+@torch.inference_mode()
+def teacher_forced_perplexity(cache: Any, runner: Any, seq: Any, chunk: int) -> float:
+    """exp(mean negative log-likelihood) of seq.tokens[1:] given their prefixes, computed through the
+    engine's own pieces (a kiln KVCache, a ModelRunner over it, an empty Sequence), one `chunk`-token
+    step at a time with every position's logits kept."""
+    from kiln.engine.runner import Chunk
+
+    tokens = seq.tokens
+    nll, count = 0.0, 0
+    while seq.num_computed < len(tokens):
+        n = min(chunk, len(tokens) - seq.num_computed)
+        if not cache.ensure(seq.table, seq.num_computed + n):
+            raise RuntimeError("the KV cache is too small for the perplexity text")
+        logits = runner.run(runner.prepare([Chunk(seq, n, logit_rows=n)]))
+        start = seq.num_computed
+        seq.num_computed += n
+        cache.commit(seq.table, seq.tokens, seq.num_computed)
+        targets = torch.tensor(tokens[start + 1 : start + n + 1])
+        nll -= torch.log_softmax(logits[: len(targets)], dim=-1).gather(1, targets[:, None]).sum().item()
+        count += len(targets)
+    return math.exp(nll / count)
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:

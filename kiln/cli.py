@@ -9,6 +9,8 @@ from kiln.chat import reply_prefix, turn_closer, turn_text
 from kiln.config import QUANTIZATIONS, SPECULATIVE_METHODS
 from kiln.engine.sampler import SamplingParams
 from kiln.errors import KilnError
+from kiln.kv.codec import CODECS
+from kiln.kv.policy import POLICIES
 from kiln.llm import LLM
 from kiln.server.service import MAX_REQUEST_BYTES
 from kiln.text import TextDeltas
@@ -35,6 +37,16 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-sessions", type=int, default=None, help="live sessions before LRU eviction")
     parser.add_argument("--session-ttl-s", type=float, default=None, help="idle seconds before a session is evicted")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--kv-policy", choices=POLICIES, default=None,
+                        help="global layers' resident K/V: full (exact, grows), sink_window (bounded, forgets), "
+                        "restore (bounded, exact: evicted pages in tiers, streamed back)")
+    parser.add_argument("--kv-sink-tokens", type=int, default=None, help="first tokens kept resident (sink_window, restore)")
+    parser.add_argument("--kv-window-tokens", type=int, default=None, help="recent tokens kept resident (sink_window, restore)")
+    parser.add_argument("--kv-codec", choices=CODECS, default=None, help="how tier pages are stored")
+    parser.add_argument("--kv-host-budget-mb", type=int, default=None, help="host-memory tier budget, MiB")
+    parser.add_argument("--kv-disk-dir", default=None, help="directory of the disk tier (default: no disk tier)")
+    parser.add_argument("--kv-disk-budget-mb", type=int, default=None, help="disk tier budget, MiB")
+    parser.add_argument("--kv-stream-chunk-tokens", type=int, default=None, help="keys per chunk of streamed attention")
 
 
 def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
@@ -58,6 +70,9 @@ def _llm(args: argparse.Namespace) -> LLM:
         "max_sessions": args.max_sessions,
         "session_ttl_s": args.session_ttl_s,
         "num_threads": args.threads,
+        **{name: getattr(args, name) for name in (
+            "kv_policy", "kv_sink_tokens", "kv_window_tokens", "kv_codec", "kv_host_budget_mb", "kv_disk_dir",
+            "kv_disk_budget_mb", "kv_stream_chunk_tokens")},
     }
     if args.kv_budget_mb:
         options["kv_budget_bytes"] = args.kv_budget_mb * 1024**2

@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from kiln.errors import InvalidArgumentError
+from kiln.kv.codec import CODECS
+from kiln.kv.policy import POLICIES
 from kiln.models.kernels import supported as kernels_supported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,6 +46,19 @@ class EngineConfig:
     # short and a request arriving meanwhile gets its first token within about two steps. A 4k prompt
     # alone took 3 % longer at 256 than at 1024 on the 2-core CPU; bench/prefill_fairness.py compares both.
     prefill_chunk_tokens: int = 256
+    # Which K/V of global-attention layers stays resident (kiln/kv/policy.py; overridable per session):
+    # "full" keeps all (exact, grows with history); "sink_window" keeps the first kv_sink_tokens and the
+    # last kv_window_tokens and drops the rest (bounded, approximate); "restore" keeps the same resident
+    # set but moves the rest to the tiers below and streams it back during attention (bounded, exact).
+    kv_policy: str = "full"
+    kv_sink_tokens: int = 64
+    kv_window_tokens: int = 2048
+    # How pages are stored in the tiers (kiln/kv/codec.py): "none" (exact), "int8", "int4" (KIVI).
+    kv_codec: str = "none"
+    kv_host_budget_mb: int = 2048  # host-memory tier for evicted pages
+    kv_disk_dir: str | None = None  # disk tier (a memory-mapped file in this directory); None = no disk tier
+    kv_disk_budget_mb: int = 8192
+    kv_stream_chunk_tokens: int = 1024  # keys per chunk of streamed attention: bounds a step's peak memory
     max_model_len: int | None = None  # longest history; None = the model's context length
     max_sessions: int = 4096  # live sessions; the least recently used idle one is evicted past this
     session_ttl_s: float = 3600.0  # idle sessions older than this are evicted
@@ -78,6 +93,16 @@ class EngineConfig:
         tokens = self.num_speculative_tokens
         if not isinstance(tokens, int) or isinstance(tokens, bool) or not 1 <= tokens <= MAX_SPECULATIVE_TOKENS:
             problems.append(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {tokens!r}")
+        if self.kv_policy not in POLICIES:
+            problems.append(f"kv_policy must be one of {list(POLICIES)}, got {self.kv_policy!r}")
+        if self.kv_codec not in CODECS:
+            problems.append(f"kv_codec must be one of {list(CODECS)}, got {self.kv_codec!r}")
+        for name in ("kv_host_budget_mb", "kv_disk_budget_mb", "kv_stream_chunk_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                problems.append(f"{name} must be a positive integer, got {value!r}")
+        if self.deterministic and self.kv_policy == "restore":
+            problems.append("kv_policy 'restore' streams attention in chunks, which the deterministic mode's kernels do not")
         if self.session_ttl_s <= 0:
             problems.append("session_ttl_s must be positive")
         if problems:

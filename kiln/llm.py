@@ -110,8 +110,12 @@ class LLM:
             text = text[: text.find(result.stop_string)]
         return RequestOutput(prompt, result.token_ids, text, result.finish_reason, result.usage, result.logprobs)
 
-    def create_session(self, tokens: Seq[int] | None = None, ttl_s: float | None = None) -> Session:
-        return Session(self, self.sessions.create(tokens, ttl_s))
+    def create_session(
+        self, tokens: Seq[int] | None = None, ttl_s: float | None = None, *,
+        kv_policy: str | None = None, kv_sink_tokens: int | None = None, kv_window_tokens: int | None = None,
+    ) -> Session:
+        """A new session; kv_* override the engine's KV policy for this session (EngineConfig fields)."""
+        return Session(self, self.sessions.create(tokens, ttl_s, None, kv_policy, kv_sink_tokens, kv_window_tokens))
 
     def get_session(self, session_id: str) -> Session:
         self.sessions.info(session_id)  # NotFoundError if it is gone

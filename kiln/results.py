@@ -39,3 +39,12 @@ class SessionInfo:
     created_at: float  # unix seconds
     idle_s: float
     ttl_s: float
+    # Which K/V stays resident (kiln/kv/policy.py) and what the rest costs where it lives.
+    kv_policy: str = "full"
+    kv_sink_tokens: int = 0
+    kv_window_tokens: int = 0
+    global_kv_bytes: int = 0  # of resident_kv_bytes, the global-attention layers' (what kv_policy bounds)
+    kv_bytes_per_token: float = 0.0  # resident (pool) bytes one token costs, every layer
+    tier_bytes_per_token: float = 0.0  # the same token encoded by the engine's kv_codec in a tier
+    host_tier_bytes: int = 0  # this session's evicted pages in host memory / on disk (shared pages count
+    disk_tier_bytes: int = 0  # for each holder)

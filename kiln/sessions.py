@@ -69,17 +69,24 @@ class SessionStore:
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
-    def create(self, tokens: list[int] | None = None, ttl_s: float | None = None, owner: str | None = None) -> str:
+    def create(
+        self, tokens: list[int] | None = None, ttl_s: float | None = None, owner: str | None = None,
+        kv_policy: str | None = None, kv_sink_tokens: int | None = None, kv_window_tokens: int | None = None,
+    ) -> str:
+        """A new session. The kv_* options override the engine's KV policy for this session's whole life
+        (None: the engine's setting); there is no call that switches a live session's policy, since its
+        K/V depends on it: a forked session inherits its parent's."""
         ids = list(tokens) if tokens is not None else []
         self._check_length(len(ids))  # before looking at each id: a huge request is refused cheaply
         ids = self.engine.validate_tokens(ids)
         ttl = self._check_ttl(ttl_s)
+        policy = self.engine.policy(kv_policy, kv_sink_tokens, kv_window_tokens)
         with self.lock:
             self.expire()
             while len(self._sessions) >= self.max_sessions:
                 if not self._evict_lru("lru"):
                     raise ResourceExhaustedError(f"{self.max_sessions} sessions are live and none is idle")
-            return self._add(self.engine.new_sequence(ids, session=True), ttl, owner).session_id
+            return self._add(self.engine.new_sequence(ids, session=True, policy=policy), ttl, owner).session_id
 
     def fork(self, session_id: str, at: int | None = None, owner: str | None = None) -> str:
         """A new session whose history is the first `at` tokens (default: all) of this one; it shares
@@ -274,6 +281,14 @@ class SessionStore:
             created_at=session.created_at,
             idle_s=self._clock() - session.last_used,
             ttl_s=session.ttl_s,
+            kv_policy=kv.policy.name,
+            kv_sink_tokens=kv.policy.sink_tokens,
+            kv_window_tokens=kv.policy.window_tokens,
+            global_kv_bytes=kv.global_bytes,
+            kv_bytes_per_token=float(self.engine.kv_bytes_per_token),
+            tier_bytes_per_token=self.engine.tier_bytes_per_token,
+            host_tier_bytes=kv.tier_bytes["host"],
+            disk_tier_bytes=kv.tier_bytes["disk"],
         )
 
 

@@ -42,9 +42,13 @@ class AsyncClient:
         self._channel = grpc.aio.insecure_channel(address)
         self._open_stub: SimpleNamespace | None = rpc.stub(self._channel)
 
-    async def create_session(self, tokens: Iterable[int] | None = None, ttl_s: float | None = None) -> AsyncSession:
-        """A new session with an optional initial history and idle TTL (seconds; None: the server's)."""
-        request = wire.message(pb.CreateSessionRequest, token_ids=wire.token_ids(tokens), ttl_s=ttl_s)
+    async def create_session(
+        self, tokens: Iterable[int] | None = None, ttl_s: float | None = None, *,
+        kv_policy: str | None = None, kv_sink_tokens: int | None = None, kv_window_tokens: int | None = None,
+    ) -> AsyncSession:
+        """As Client.create_session."""
+        request = wire.message(pb.CreateSessionRequest, token_ids=wire.token_ids(tokens), ttl_s=ttl_s, kv_policy=kv_policy,
+                               kv_sink_tokens=kv_sink_tokens, kv_window_tokens=kv_window_tokens)
         return AsyncSession(self, (await self._call(self._stub.CreateSession, request)).session.session_id)
 
     async def get_session(self, session_id: str) -> AsyncSession:

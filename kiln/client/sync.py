@@ -45,9 +45,14 @@ class Client:
         self._channel = grpc.insecure_channel(address)
         self._open_stub: SimpleNamespace | None = rpc.stub(self._channel)
 
-    def create_session(self, tokens: Iterable[int] | None = None, ttl_s: float | None = None) -> Session:
-        """A new session with an optional initial history and idle TTL (seconds; None: the server's)."""
-        request = wire.message(pb.CreateSessionRequest, token_ids=wire.token_ids(tokens), ttl_s=ttl_s)
+    def create_session(
+        self, tokens: Iterable[int] | None = None, ttl_s: float | None = None, *,
+        kv_policy: str | None = None, kv_sink_tokens: int | None = None, kv_window_tokens: int | None = None,
+    ) -> Session:
+        """A new session with an optional initial history and idle TTL (seconds; None: the server's), and
+        optionally its own KV policy ("full", "sink_window", "restore"; None: the server's settings)."""
+        request = wire.message(pb.CreateSessionRequest, token_ids=wire.token_ids(tokens), ttl_s=ttl_s, kv_policy=kv_policy,
+                               kv_sink_tokens=kv_sink_tokens, kv_window_tokens=kv_window_tokens)
         return Session(self, self._call(self._stub.CreateSession, request).session.session_id)
 
     def get_session(self, session_id: str) -> Session:

@@ -33,9 +33,12 @@ from kiln.engine.speculative import NgramProposer, verify
 from kiln.engine.stats import EngineStats
 from kiln.errors import InvalidArgumentError, InvariantViolation, ResourceExhaustedError, UnavailableError
 from kiln.kv.cache import KVCache, PoolUsage
+from kiln.kv.codec import KVCodec
 from kiln.kv.format import KVFormat, dtype_name
 from kiln.kv.layout import KVLayout
 from kiln.kv.pages import PageTable
+from kiln.kv.policy import KVPolicy
+from kiln.kv.tiers import PageTiers, TierUsage
 from kiln.models import build_model, quantize_model
 from kiln.models.loader import LoadedModel
 from kiln.models.quant import quantized_file
@@ -54,6 +57,9 @@ class SequenceKV:
     resident_tokens: int
     resident_pages: int
     resident_bytes: int
+    policy: KVPolicy
+    tier_bytes: dict[str, int]  # the sequence's pages in each tier (shared pages counted in full)
+    global_bytes: int  # of resident_bytes, the global-attention layers' pages: what the policy bounds
 
 
 class Engine:
@@ -80,13 +86,17 @@ class Engine:
         weights = f"{dtype_name(config.torch_dtype)}/{quantized or 'exact'}" + ("/deterministic" if config.deterministic else "")
         if fused:
             weights += "/fused"
-        kv_format = KVFormat(loaded.fingerprint, weights, dtype_name(kv_dtype), "raw", config.page_size)
-        self._cache = KVCache(layout, num_pages, kv_dtype, config.device, kv_format)
-        self._runner = ModelRunner(self.model, self._cache.storage, config.deterministic)
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
+        self.default_policy = self.policy()
+        codec = KVCodec(config.kv_codec, layout, kv_dtype)
+        tiers = PageTiers(codec, config.kv_host_budget_mb * 2**20, config.kv_disk_dir, config.kv_disk_budget_mb * 2**20)
+        kv_format = KVFormat(loaded.fingerprint, weights, dtype_name(kv_dtype), f"raw/tiers:{codec.name}", config.page_size)
+        self._cache = KVCache(layout, num_pages, kv_dtype, config.device, kv_format, tiers)
+        stream_pages = -(-config.kv_stream_chunk_tokens // config.page_size)
+        self._runner = ModelRunner(self.model, self._cache.storage, config.deterministic, tiers, stream_pages)
         self._sampler = Sampler()
         self._proposer = NgramProposer(config.num_speculative_tokens) if config.speculative == "ngram" else None
         self._constraints = compiler_for(loaded.fingerprint, loaded.tokenizer, loaded.config.vocab_size)
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
         self.stats = EngineStats()
         self._lock = threading.RLock()  # reentrant: a stream collected on the engine thread cancels itself
         self._wake = threading.Condition(self._lock)
@@ -119,6 +129,31 @@ class Engine:
         with self._lock:
             return self._cache.usage()
 
+    def tier_usage(self) -> TierUsage:
+        with self._lock:
+            return self._cache.tiers.usage()  # type: ignore[union-attr]
+
+    @property
+    def tier_bytes_per_token(self) -> float:
+        """Bytes one token costs in a tier, every global layer (the only ones tiers hold), as the codec
+        encodes it."""
+        global_groups = sum(group.window is None for group in self._cache.layout.groups)
+        return self._cache.tiers.codec.bytes_per_token() * global_groups  # type: ignore[union-attr]
+
+    def policy(self, name: str | None = None, sink_tokens: int | None = None, window_tokens: int | None = None) -> KVPolicy:
+        """A validated KV policy: the engine's configured one where an argument is None."""
+        config = self.config
+        name = config.kv_policy if name is None else name
+        if name == "restore" and config.deterministic:
+            raise InvalidArgumentError("kv_policy 'restore' is not available in the deterministic mode", "kv_policy")
+        return KVPolicy.create(
+            name,
+            config.kv_sink_tokens if sink_tokens is None else sink_tokens,
+            config.kv_window_tokens if window_tokens is None else window_tokens,
+            config.page_size,
+            self.max_model_len,
+        )
+
     def pending(self) -> int:
         """Requests queued or running."""
         with self._lock:
@@ -142,7 +177,7 @@ class Engine:
                                        what if what.isidentifier() else None)
         return [int(t) for t in ids]
 
-    def check_request(self, num_tokens: int, params: SamplingParams) -> None:
+    def check_request(self, num_tokens: int, params: SamplingParams, policy: KVPolicy | None = None) -> None:
         """Raises if a generation over `num_tokens` of history can never run: empty, no room left in the
         context, larger than the whole KV pool, or a constraint that does not compile (compiled here, in
         the caller's thread, and cached: the engine thread never compiles)."""
@@ -152,7 +187,7 @@ class Engine:
             raise InvalidArgumentError(
                 f"history of {num_tokens} tokens leaves no room in the model's context of {self.max_model_len}"
             )
-        worst = self._worst_case_pages(min(num_tokens + params.max_tokens, self.max_model_len))
+        worst = self._worst_case_pages(min(num_tokens + params.max_tokens, self.max_model_len), policy or self.default_policy)
         if worst > self._cache.num_pages:
             raise ResourceExhaustedError(
                 f"this request may need {worst} KV pages; the pool has {self._cache.num_pages} "
@@ -162,12 +197,17 @@ class Engine:
         if params.constraint is not None:
             self._constraints.compile(params.constraint)
 
-    def _worst_case_pages(self, num_tokens: int) -> int:
+    def _worst_case_pages(self, num_tokens: int, policy: KVPolicy) -> int:
+        """Most pages a sequence of `num_tokens` holds at once: a window group its window plus a step's
+        tokens; a global group everything, or under a bounded policy its resident set plus a step's
+        tokens (restore's evicted pages are in a tier, or stay resident when no tier has room)."""
         pages = -(-num_tokens // self.config.page_size)
+        step_pages = -(-(self.config.max_batched_tokens + self.config.page_size) // self.config.page_size)
+        bounded = policy.resident_limit(self.config.page_size)
         total = 0
         for group in self._cache.layout.groups:
             if group.window is None:
-                total += pages
+                total += pages if bounded is None else min(pages, bounded + step_pages)
             else:
                 span = group.window + self.config.max_batched_tokens + self.config.page_size
                 total += min(pages, -(-span // self.config.page_size) + 1)
@@ -175,9 +215,11 @@ class Engine:
 
     # ---- sequences ----------------------------------------------------------------------------------
 
-    def new_sequence(self, token_ids: Iterable[int], session: bool) -> Sequence:
-        """A sequence over validated token ids, holding no pages yet."""
-        return Sequence(self.validate_tokens(token_ids), PageTable.empty(self._cache.layout.num_groups), session)
+    def new_sequence(self, token_ids: Iterable[int], session: bool, policy: KVPolicy | None = None) -> Sequence:
+        """A sequence over validated token ids, holding no pages yet, under `policy` (default: the
+        engine's), fixed for its life."""
+        table = PageTable.empty(self._cache.layout.num_groups, policy or self.default_policy)
+        return Sequence(self.validate_tokens(token_ids), table, session)
 
     def fork_sequence(self, parent: Sequence, at: int) -> Sequence:
         """A session sequence whose history is parent.tokens[:at], sharing the parent's pages."""
@@ -201,7 +243,16 @@ class Engine:
     def sequence_kv(self, seq: Sequence) -> SequenceKV:
         with self._lock:
             pages = len(seq.table.resident())
-            return SequenceKV(seq.num_computed, pages, pages * self._cache.page_bytes)
+            layout = self._cache.layout
+            global_pages = sum(page is not None for group, table in zip(layout.groups, seq.table.pages, strict=True)
+                               if group.window is None for page in table)
+            tiers = self._cache.tiers
+            tier_bytes = dict.fromkeys(("host", "disk"), 0)
+            for g, indices in enumerate(seq.table.tiered):
+                for i in indices:
+                    tier_bytes[tiers.tier_of((g, seq.table.hashes[i]))] += tiers.codec.page_nbytes  # type: ignore[union-attr]
+            page_bytes = self._cache.page_bytes
+            return SequenceKV(seq.num_computed, pages, pages * page_bytes, seq.table.policy, tier_bytes, global_pages * page_bytes)
 
     def release_sequence(self, seq: Sequence) -> None:
         """The sequence's owner is done with it: pages go back now, or when its running request ends."""
@@ -218,7 +269,7 @@ class Engine:
     def submit(self, seq: Sequence, params: SamplingParams, emit: Callable[[Event], None]) -> Request:
         """Queue a generation over `seq` (whose tokens are its prompt/history). Raises before queueing
         if it can never run: empty, longer than the context, or larger than the whole KV pool."""
-        self.check_request(len(seq.tokens), params)
+        self.check_request(len(seq.tokens), params, seq.table.policy)
         stop_ids = set(self.validate_tokens(params.stop_token_ids, "stop_token_ids"))
         if not params.ignore_eos:
             stop_ids.update(self.tokenizer.eos_token_ids)
@@ -302,6 +353,7 @@ class Engine:
                 ended = self._fail([c.request for c in chunks], error)
             self._emit(ended)
             return
+        self.stats.note_step_attention(inputs.attention.kv.peak_bytes)
         with self._lock:
             self._commit(chunks)
         if logits is not None:

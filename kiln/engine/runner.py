@@ -11,6 +11,7 @@ from kiln.engine.sequence import Sequence
 from kiln.kv.layout import KVLayout
 from kiln.kv.step import KVSlice, KVStep, Workspace
 from kiln.kv.storage import PageStorage
+from kiln.kv.tiers import PageTiers
 from kiln.models.attention import AttentionBatch
 from kiln.models.kernels import kernels
 from kiln.models.kernels import supported as kernels_supported
@@ -40,8 +41,13 @@ class Chunk:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, storage: PageStorage, batch_invariant: bool = False) -> None:
+    def __init__(
+        self, model: torch.nn.Module, storage: PageStorage, batch_invariant: bool = False,
+        tiers: PageTiers | None = None, stream_pages: int = 64,
+    ) -> None:
         self.model = model
+        self.tiers = tiers  # where `restore` sequences' evicted pages are read from
+        self.stream_pages = stream_pages  # pages per chunk of streamed attention
         self.batch_invariant = batch_invariant  # the deterministic mode's attention kernel
         # Decode steps attend with the in-place kernel where it runs: float32 pages on an AVX2 CPU.
         self.kernel_decode = storage.data.dtype == torch.float32 and storage.data.device.type == "cpu" and kernels_supported()
@@ -59,7 +65,7 @@ class ModelRunner:
         lengths = [c.num_tokens for c in chunks]
         ends = list(accumulate(lengths))
         rows = [row for c, end in zip(chunks, ends, strict=True) for row in range(end - c.logit_rows, end)]
-        kv = KVStep(self.storage, slices, self.workspace)
+        kv = KVStep(self.storage, slices, self.workspace, self.tiers, self.stream_pages)
         return StepInputs(
             input_ids=torch.tensor([t for c in chunks for t in c.input_ids()], device=device),
             positions=kv.row_pos,
@@ -78,16 +84,22 @@ class ModelRunner:
         return self.model.logits(hidden[inputs.logit_rows])
 
     def _slice(self, seq: Sequence, size: int) -> KVSlice:
-        """Each group's pages a query at the chunk's first position (or later) may read."""
+        """Each group's pages a query at the chunk's first position (or later) may read: from the pool,
+        or (a `restore` sequence's evicted pages) from a tier."""
         start, ps = seq.num_computed, self.layout.page_size
         pages: list[list[int]] = []
         indices: list[list[int]] = []
-        for group, table in zip(self.layout.groups, seq.table.pages, strict=True):
+        tiered: list[list[tuple[int, tuple[int, bytes]]]] = []
+        for g, (group, table) in enumerate(zip(self.layout.groups, seq.table.pages, strict=True)):
             spans = seq.table.policy.readable(group.window, len(table), start, ps)
             index = [i for span in spans for i in span]
+            in_tier = seq.table.tiered[g]
+            tiered.append([(i, (g, seq.table.hashes[i])) for i in sorted(in_tier)])
+            if in_tier:
+                index = [i for i in index if i not in in_tier]
             listed = [table[i] for i in index]
             if None in listed:
                 raise RuntimeError("a page the attention reads was released")
             pages.append(listed)  # type: ignore[arg-type]
             indices.append(index)
-        return KVSlice(start, size, pages, indices)
+        return KVSlice(start, size, pages, indices, tiered, stream=seq.table.policy.tiered)

@@ -21,3 +21,11 @@ class EngineStats:
     # Tokens whose K/V was given back for room, by whose: "idle" (a parked session), "waiting" (a queued
     # request's sequence), "preempted" (a running request). Their histories stay; the K/V is recomputed.
     kv_dropped_tokens: Counter[str] = field(default_factory=Counter)
+    # Per-step peak of attention's transient buffers (gathered or streamed K/V, scores, merge state), as
+    # accounted by the attention paths: the last step's and the largest so far. Not the resident pool.
+    last_step_attention_bytes: int = 0
+    max_step_attention_bytes: int = 0
+
+    def note_step_attention(self, nbytes: int) -> None:
+        self.last_step_attention_bytes = nbytes
+        self.max_step_attention_bytes = max(self.max_step_attention_bytes, nbytes)

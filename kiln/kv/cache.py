@@ -6,6 +6,11 @@ A page is free (no content), used (refcount > 0) or cached (named content, refco
 order). Allocation takes a free page first and evicts the least recently used cached page second. A page
 is written only while exactly one sequence holds it and it is not named: named pages are full, hence
 immutable and shareable (forks and prefix hits share them: copy-on-write by construction).
+
+A `restore` sequence's global-group pages that leave its resident set go to the tiers (kiln/kv/tiers.py)
+under the same key before the pool page is released; its table then references the tier page, and a
+prefix match or a fork may take tier pages as well as pool pages. When no tier has room a page simply
+stays resident (exact, just not bounded): K/V someone reads is never lost.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from kiln.kv.layout import KVLayout
 from kiln.kv.pages import PageHash, PageTable, chain_hashes
 from kiln.kv.policy import KVPolicy
 from kiln.kv.storage import PageStorage
+from kiln.kv.tiers import PageTiers
 
 Key = tuple[int, PageHash]  # (KV group, chain hash)
 
@@ -35,9 +41,11 @@ class PoolUsage:
 
 class KVCache:
     def __init__(
-        self, layout: KVLayout, num_pages: int, dtype: torch.dtype, device: str | torch.device, kv_format: KVFormat
+        self, layout: KVLayout, num_pages: int, dtype: torch.dtype, device: str | torch.device, kv_format: KVFormat,
+        tiers: PageTiers | None = None,
     ) -> None:
         self.layout = layout
+        self.tiers = tiers
         self.storage = PageStorage(layout, num_pages, dtype, device)
         self.format = kv_format
         self._fingerprint = kv_format.fingerprint()
@@ -90,17 +98,26 @@ class KVCache:
         ps = self.page_size
         hashes = chain_hashes(tokens, ps, self.salt(table.policy), end_page=max(0, len(tokens) - 1) // ps)
         unbounded = [g for g, group in enumerate(self.layout.groups) if group.window is None]
+        tiers = self.tiers if table.policy.tiered else None
+
+        def kept(g: int, i: int) -> bool:
+            return self.lookup(g, hashes[i]) is not None or (tiers is not None and tiers.has((g, hashes[i])))
+
         count = 0
-        while count < len(hashes) and all(self.lookup(g, hashes[count]) is not None for g in unbounded):
+        while count < len(hashes) and all(kept(g, count) for g in unbounded):
             count += 1
-        while count > 0 and not all(self.lookup(g, hashes[i]) is not None for g, i in self._readable(table.policy, count)):
+        while count > 0 and not all(self.lookup(g, hashes[i]) is not None for g, i in self._resident(table.policy, count)):
             count -= 1
-        readable = set(self._readable(table.policy, count))
+        resident = set(self._resident(table.policy, count))
         for g in range(self.layout.num_groups):
-            table.pages[g] = [self.lookup(g, hashes[i]) if (g, i) in readable else None for i in range(count)]
-            for page in table.pages[g]:
+            for i in range(count):
+                page = self.lookup(g, hashes[i]) if (g, i) in resident or (tiers is not None and g in unbounded) else None
                 if page is not None:
                     self._acquire(page)
+                elif tiers is not None and g in unbounded:
+                    tiers.acquire((g, hashes[i]))
+                    table.tiered[g].add(i)
+                table.pages[g].append(page)
         table.hashes = hashes[:count]
         table.swept = [0] * self.layout.num_groups
         return count * ps
@@ -147,20 +164,25 @@ class KVCache:
         computed = min(len(tokens), parent_computed)
         child = PageTable.empty(self.layout.num_groups, parent.policy)
         count = -(-computed // ps)
-        needed = self._readable(parent.policy, count, computed)
+        needed = self._resident(parent.policy, count, computed)
+        unbounded = [g for g, group in enumerate(self.layout.groups) if group.window is None and parent.policy.tiered]
         missing = computed == 0 or any(parent.pages[g][i] is None for g, i in needed)
+        missing = missing or any(parent.pages[g][i] is None and i not in parent.tiered[g] for g in unbounded for i in range(count))
         if missing or (computed % ps and self.available() < self.layout.num_groups):
             return child, self.attach(child, tokens)
         wanted = set(needed)
         for g in range(self.layout.num_groups):
             for i in range(count):
-                page = parent.pages[g][i] if (g, i) in wanted else None
+                page = parent.pages[g][i] if (g, i) in wanted or g in unbounded else None
                 if page is not None and i == computed // ps:  # the partial last page: copy on write
                     copy = self._allocate()
                     self.storage.copy_page(page, copy)
                     page = copy
                 elif page is not None:
                     self._acquire(page)
+                elif i in parent.tiered[g] and self.tiers is not None:
+                    self.tiers.acquire((g, parent.hashes[i]))
+                    child.tiered[g].add(i)
                 child.pages[g].append(page)
         child.hashes = parent.hashes[: computed // ps]
         child.checked = min(parent.checked, len(child.hashes))
@@ -176,10 +198,10 @@ class KVCache:
         full = keep // ps
         if keep % ps and any(len(pages) > full and self._shared(pages[full]) for pages in table.pages):
             keep = full * ps
+        self._release_from(table, -(-keep // ps))  # before the hashes go: tier pages are named by them
         del table.hashes[keep // ps :]
         table.checked = min(table.checked, len(table.hashes))
-        self._release_from(table, -(-keep // ps))
-        if any(table.pages[g][i] is None for g, i in self._readable(table.policy, len(table.pages[0]), keep)):
+        if any(table.pages[g][i] is None for g, i in self._resident(table.policy, len(table.pages[0]), keep)):
             raise RuntimeError(f"rollback to {keep} tokens needs pages already released")
         return keep
 
@@ -213,33 +235,40 @@ class KVCache:
 
     # ---- pages --------------------------------------------------------------------------------------
 
-    def _readable(self, policy: KVPolicy, num_pages: int, next_position: int | None = None) -> list[tuple[int, int]]:
-        """(group, page index) pairs a query at `next_position` (default: just past the pages) reads."""
+    def _resident(self, policy: KVPolicy, num_pages: int, next_position: int | None = None) -> list[tuple[int, int]]:
+        """(group, page index) pairs a query at `next_position` (default: just past the pages) needs in
+        the pool (for `restore`, the other pages of global groups may be in a tier instead)."""
         position = num_pages * self.page_size if next_position is None else next_position
         return [
             (g, i)
             for g, group in enumerate(self.layout.groups)
-            for span in policy.readable(group.window, num_pages, position, self.page_size)
+            for span in policy.resident(group.window, num_pages, position, self.page_size)
             for i in span
         ]
 
     def _sweep(self, table: PageTable, position: int, done: int) -> None:
         """Release full pages below `done` that no query at `position` or later reads. Only pages past
-        each group's sweep mark are looked at: what a policy reads only shrinks as positions grow."""
+        each group's sweep mark are looked at: what a policy keeps only shrinks as positions grow. A
+        `restore` table's global pages go to a tier first, or stay if no tier has room."""
         for g, group in enumerate(self.layout.groups):
             pages = table.pages[g]
             start = table.swept[g]
+            tiers = self.tiers if table.policy.tiered and group.window is None else None
             for span in self._gaps(table.policy, group.window, min(done, len(pages)), position):
                 for i in range(max(start, span.start), span.stop):
-                    if pages[i] is not None:
-                        self._release_page(pages[i])
-                        pages[i] = None
+                    page = pages[i]
+                    if page is None or (tiers is not None and not tiers.hold((g, table.hashes[i]), self.storage.page(page))):
+                        continue
+                    if tiers is not None:
+                        table.tiered[g].add(i)
+                    self._release_page(page)
+                    pages[i] = None
                 start = max(start, span.stop)
             table.swept[g] = start
 
     def _gaps(self, policy: KVPolicy, window: int | None, num_pages: int, position: int) -> list[range]:
         gaps, previous = [], 0
-        for span in policy.readable(window, num_pages, position, self.page_size):
+        for span in policy.resident(window, num_pages, position, self.page_size):
             if span.start > previous:
                 gaps.append(range(previous, span.start))
             previous = max(previous, span.stop)
@@ -249,11 +278,14 @@ class KVCache:
 
     def _release_from(self, table: PageTable, index: int) -> None:
         for i in range(max(map(len, table.pages)) - 1, index - 1, -1):
-            for pages in table.pages:
+            for g, pages in enumerate(table.pages):
                 if i < len(pages):
                     page = pages.pop()
                     if page is not None:
                         self._release_page(page)
+                    elif i in table.tiered[g] and self.tiers is not None:
+                        table.tiered[g].discard(i)
+                        self.tiers.release((g, table.hashes[i]))
 
     def _shared(self, page: int | None) -> bool:
         return page is not None and (self.refcount[page] > 1 or page in self._key_of)

@@ -37,7 +37,9 @@ class PageTable:
     """The pages one sequence holds, per KV group, in position order. Only KVCache changes it.
 
     pages[g][i] holds positions [i * page_size, (i + 1) * page_size) for group g, or None once the
-    sequence's policy no longer reads it there and it went back to the pool. `hashes[i]` names full
+    sequence's policy no longer keeps it resident and it went back to the pool; for a `restore` policy
+    `tiered[g]` holds the indices of such pages whose K/V a tier keeps under (g, hashes[i]) (referenced
+    by this table, released with it). `hashes[i]` names full
     page i (the same for every group: it hashes tokens, not K/V). `checked` counts the hashes INV-1 has
     verified and `swept[g]` the pages of group g already considered for release, so each step only
     looks at pages it changed.
@@ -48,10 +50,11 @@ class PageTable:
     hashes: list[PageHash] = field(default_factory=list)
     checked: int = 0
     swept: list[int] = field(default_factory=list)
+    tiered: list[set[int]] = field(default_factory=list)
 
     @classmethod
     def empty(cls, num_groups: int, policy: KVPolicy = FULL) -> PageTable:
-        return cls([[] for _ in range(num_groups)], policy, swept=[0] * num_groups)
+        return cls([[] for _ in range(num_groups)], policy, swept=[0] * num_groups, tiered=[set() for _ in range(num_groups)])
 
     def resident(self) -> list[int]:
         return [page for table in self.pages for page in table if page is not None]

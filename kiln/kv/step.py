@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 
 from kiln.kv.layout import KVLayout
 from kiln.kv.storage import PageStorage
+from kiln.kv.tiers import PageTiers
 
 NO_POSITION = 1 << 62  # key position of padding: later than every query (and room to add offsets)
 
@@ -32,12 +34,18 @@ class KVSlice:
                   its new tokens are written to.
     page_indices: per KV group, the index of each listed page in the sequence (page i holds positions
                   i * page_size .. (i + 1) * page_size - 1).
+    tiered:       per KV group, (page index, tier key) of the pages it also reads from a tier (a
+                  `restore` policy), in position order, all before the listed pages' new tokens.
+    stream:       attend chunk by chunk (kiln/models/streamed_attention.py) even with nothing in a tier:
+                  a `restore` sequence's step memory stays bounded by the chunk, whatever it holds.
     """
 
     start: int
     num_tokens: int
     pages: list[list[int]]
     page_indices: list[list[int]]
+    tiered: list[list[tuple[int, Hashable]]] = field(default_factory=list)
+    stream: bool = False
 
 
 @dataclass
@@ -78,12 +86,25 @@ class Workspace:
 
 
 class KVStep:
-    def __init__(self, storage: PageStorage, slices: list[KVSlice], workspace: Workspace | None = None) -> None:
+    """`streamed`: some sequence reads pages from a tier, so attention takes the streamed path
+    (kiln/models/streamed_attention.py), `stream_pages` pages at a time, reading them from `tiers`.
+    `peak_bytes` is the largest transient attention buffer set one layer of this step held (bytes),
+    accounted by whichever attention path ran."""
+
+    def __init__(
+        self, storage: PageStorage, slices: list[KVSlice], workspace: Workspace | None = None,
+        tiers: PageTiers | None = None, stream_pages: int = 64,
+    ) -> None:
         if not slices or min(s.num_tokens for s in slices) == 0:
             raise ValueError("every sequence in a step needs at least one new token")
         self.storage = storage
         self.layout: KVLayout = storage.layout
         self.workspace = workspace or Workspace()
+        self.slices = slices
+        self.tiers = tiers
+        self.stream_pages = stream_pages
+        self.streamed = any(s.stream or any(s.tiered) for s in slices)
+        self.peak_bytes = 0
         self.layer_slots = storage.layer_slots
         device = storage.data.device
         max_q = max(s.num_tokens for s in slices)
@@ -144,3 +165,7 @@ class KVStep:
         keys = k_buf.view(num_seqs, -1, heads, dim).transpose(1, 2)
         values = v_buf.view(num_seqs, -1, heads, dim).transpose(1, 2)
         return keys, values, group.mask
+
+    def note_bytes(self, nbytes: int) -> None:
+        """Record a layer's transient attention buffers; the step keeps the largest."""
+        self.peak_bytes = max(self.peak_bytes, nbytes)

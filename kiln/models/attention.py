@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.models.kernels import kernels
+from kiln.models.streamed_attention import streamed_attention
 
 if TYPE_CHECKING:  # kiln.kv imports the model config, hence this package
     from kiln.kv.step import KVStep
@@ -42,7 +43,7 @@ class AttentionBatch:
 
     @classmethod
     def for_lengths(cls, lengths: list[int], kv: KVStep, batch_invariant: bool = False, kernel_decode: bool = False) -> AttentionBatch:
-        if batch_invariant or (kernel_decode and max(lengths) == 1):
+        if not kv.streamed and (batch_invariant or (kernel_decode and max(lengths) == 1)):
             return cls(None, None, kv, in_place=True)
         if len(lengths) == 1:
             return cls(None, None, kv)
@@ -59,11 +60,15 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [N, heads, head_dim]; k, v: [N, kv_heads, head_dim] (after RoPE/norms). Returns [N, heads, head_dim]."""
     batch.kv.write(layer, k, v)
+    if batch.kv.streamed:  # a `restore` sequence (pages in a tier): chunk by chunk, whatever else the step holds
+        return streamed_attention(q, layer, batch.kv, scale)
     if batch.in_place:
         k_pages, v_pages, group, window = batch.kv.pages(layer)
         return kernels().paged_attention(q.float().contiguous(), k_pages, v_pages, group.block_table, group.first_pos,
                                          batch.kv.row_seq, batch.kv.row_pos, window or 0, scale)
     keys, values, mask = batch.kv.read(layer)
+    scores = mask.numel() * q.shape[1]  # [B, heads, Q, L]: scores, then weights
+    batch.kv.note_bytes(2 * keys.numel() * keys.element_size() + mask.numel() + 2 * scores * q.element_size())
     if mask.shape[1] == 1:
         return _decode_attention(q, keys.to(q.dtype), values.to(q.dtype), mask[:, 0], scale)
     queries = q.unsqueeze(0) if batch.query_index is None else q[batch.query_index]

@@ -127,7 +127,10 @@ class RuntimeServicer:
 
     @_unary
     def CreateSession(self, request: pb.CreateSessionRequest, owner: str | None) -> pb.CreateSessionResponse:
-        info = self.service.create_session(owner, request.token_ids, _optional(request, "ttl_s"))
+        info = self.service.create_session(
+            owner, request.token_ids, _optional(request, "ttl_s"),
+            **{name: _optional(request, name) for name in ("kv_policy", "kv_sink_tokens", "kv_window_tokens")},
+        )
         return pb.CreateSessionResponse(session=_session_info(info))
 
     @_unary

@@ -290,6 +290,9 @@ class ChatBody(OpenAIBody):
 class CreateSessionBody(Body):
     token_ids: TokenIds = []
     ttl_s: float | None = None
+    kv_policy: str | None = None
+    kv_sink_tokens: int | None = None
+    kv_window_tokens: int | None = None
 
 
 class AppendBody(Body):

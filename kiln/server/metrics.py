@@ -41,6 +41,17 @@ class _EngineState(Collector):
                                 value=(usage.used + usage.cached) * page_bytes)
         yield GaugeMetricFamily("kiln_kv_capacity_bytes", "Bytes of the whole KV page pool",
                                 value=engine.kv_pages * page_bytes)
+        tiers = engine.tier_usage()
+        tier_bytes = GaugeMetricFamily("kiln_kv_tier_bytes", "Bytes of evicted KV pages held by each tier (encoded)",
+                                       labels=["tier"])
+        tier_budget = GaugeMetricFamily("kiln_kv_tier_budget_bytes", "Byte budget of each tier", labels=["tier"])
+        for tier in ("host", "disk"):
+            tier_bytes.add_metric([tier], tiers.bytes[tier])
+            tier_budget.add_metric([tier], tiers.budget_bytes[tier])
+        yield tier_bytes
+        yield tier_budget
+        yield GaugeMetricFamily("kiln_kv_step_attention_peak_bytes", "Largest transient attention buffers of one "
+                                "engine step so far (gathered or streamed K/V, scores)", value=stats.max_step_attention_bytes)
         yield _labelled_counter("kiln_kv_dropped_tokens", "Tokens whose K/V was given back for room, by whose "
                                 "(histories stay; the K/V is recomputed when needed)", "reason",
                                 stats.kv_dropped_tokens, ("idle", "waiting", "preempted"))

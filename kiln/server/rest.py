@@ -71,7 +71,8 @@ class SessionRoutes:
         return router
 
     def create(self, owner: Owner, body: CreateSessionBody = _EMPTY_CREATE) -> dict:
-        return session_json(self.service.create_session(owner, body.token_ids, body.ttl_s))
+        return session_json(self.service.create_session(
+            owner, body.token_ids, body.ttl_s, body.kv_policy, body.kv_sink_tokens, body.kv_window_tokens))
 
     def list_sessions(self, owner: Owner) -> dict:
         return {"object": "list", "data": [session_json(info) for info in self.service.list_sessions(owner)]}

@@ -90,9 +90,12 @@ class RuntimeService:
 
     # ---- sessions -----------------------------------------------------------------------------------
 
-    def create_session(self, owner: str | None, tokens: Sequence[int] = (), ttl_s: float | None = None) -> SessionInfo:
+    def create_session(
+        self, owner: str | None, tokens: Sequence[int] = (), ttl_s: float | None = None,
+        kv_policy: str | None = None, kv_sink_tokens: int | None = None, kv_window_tokens: int | None = None,
+    ) -> SessionInfo:
         self._admit()
-        session_id = self.sessions.create(list(tokens), ttl_s, owner)
+        session_id = self.sessions.create(list(tokens), ttl_s, owner, kv_policy, kv_sink_tokens, kv_window_tokens)
         return self.sessions.info(session_id, owner)
 
     def append(self, owner: str | None, session_id: str, tokens: Sequence[int]) -> SessionInfo:

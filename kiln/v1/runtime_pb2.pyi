@@ -30,7 +30,7 @@ SERVING_STATUS_SHUTTING_DOWN: ServingStatus
 SERVING_STATUS_ENGINE_FAILED: ServingStatus
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "history_tokens", "computed_tokens", "resident_pages", "resident_kv_bytes", "reused_tokens", "last_prefill_tokens", "generating", "created_at", "idle_s", "ttl_s")
+    __slots__ = ("session_id", "history_tokens", "computed_tokens", "resident_pages", "resident_kv_bytes", "reused_tokens", "last_prefill_tokens", "generating", "created_at", "idle_s", "ttl_s", "kv_policy", "kv_sink_tokens", "kv_window_tokens", "kv_bytes_per_token", "tier_bytes_per_token", "host_tier_bytes", "disk_tier_bytes", "global_kv_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,14 @@ class SessionInfo(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     IDLE_S_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    KV_POLICY_FIELD_NUMBER: _ClassVar[int]
+    KV_SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TIER_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     history_tokens: int
     computed_tokens: int
@@ -53,7 +61,15 @@ class SessionInfo(_message.Message):
     created_at: float
     idle_s: float
     ttl_s: float
-    def __init__(self, session_id: _Optional[str] = ..., history_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., resident_pages: _Optional[int] = ..., resident_kv_bytes: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., last_prefill_tokens: _Optional[int] = ..., generating: _Optional[bool] = ..., created_at: _Optional[float] = ..., idle_s: _Optional[float] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    kv_policy: str
+    kv_sink_tokens: int
+    kv_window_tokens: int
+    kv_bytes_per_token: float
+    tier_bytes_per_token: float
+    host_tier_bytes: int
+    disk_tier_bytes: int
+    global_kv_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., history_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., resident_pages: _Optional[int] = ..., resident_kv_bytes: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., last_prefill_tokens: _Optional[int] = ..., generating: _Optional[bool] = ..., created_at: _Optional[float] = ..., idle_s: _Optional[float] = ..., ttl_s: _Optional[float] = ..., kv_policy: _Optional[str] = ..., kv_sink_tokens: _Optional[int] = ..., kv_window_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[float] = ..., tier_bytes_per_token: _Optional[float] = ..., host_tier_bytes: _Optional[int] = ..., disk_tier_bytes: _Optional[int] = ..., global_kv_bytes: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "reused_tokens", "prefilled_tokens", "generated_tokens")
@@ -68,12 +84,18 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("token_ids", "ttl_s")
+    __slots__ = ("token_ids", "ttl_s", "kv_policy", "kv_sink_tokens", "kv_window_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    KV_POLICY_FIELD_NUMBER: _ClassVar[int]
+    KV_SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     ttl_s: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    kv_policy: str
+    kv_sink_tokens: int
+    kv_window_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ..., kv_policy: _Optional[str] = ..., kv_sink_tokens: _Optional[int] = ..., kv_window_tokens: _Optional[int] = ...) -> None: ...
 
 class CreateSessionResponse(_message.Message):
     __slots__ = ("session",)

@@ -423,3 +423,15 @@ def counted(metrics: Metrics, route: str, status: str) -> str:
             return rendered
         time.sleep(0.01)
     raise AssertionError(f"{route} never counted {status}:\n{rendered}")
+
+
+def test_a_session_gets_its_own_kv_policy_over_grpc(client):
+    session = client.create_session(history(100), kv_policy="sink_window", kv_sink_tokens=16, kv_window_tokens=32)
+    "".join(session.generate_text(max_tokens=2))
+    info = session.info()
+    assert (info.kv_policy, info.kv_sink_tokens, info.kv_window_tokens) == ("sink_window", 16, 32)
+    assert info.resident_pages < 100 // 16
+    with pytest.raises(InvalidArgumentError, match="kv_policy"):
+        client.create_session([5], kv_policy="lru")
+    with pytest.raises(InvalidArgumentError, match="kv_sink_tokens"):
+        client.create_session([5], kv_sink_tokens=-1)

@@ -256,6 +256,8 @@ def wait_idle(http: httpx.Client, session: str) -> dict:
     ("/v1/sessions", {"token_ids": [1], "ttl_s": 1e-300}, "ttl_s"),  # would expire before the reply
     ("/v1/chat/completions", {"messages": [{"role": ["user"], "content": "hi"}]}, "messages[0].role"),
     ("/v1/completions", {"prompt": "hi", "stop": [1, 2]}, "stop"),
+    ("/v1/sessions", {"token_ids": [1], "kv_policy": "lru"}, "kv_policy"),
+    ("/v1/sessions", {"token_ids": [1], "kv_policy": "restore", "kv_window_tokens": 3}, "kv_window_tokens"),
 ])
 def test_invalid_requests_get_400_envelopes(http, path, body, param):
     assert assert_error(http.post(path, json=body), 400, "INVALID_ARGUMENT")["param"] == param
@@ -426,3 +428,13 @@ def test_a_slow_route_leaves_the_loop_serving_everyone_else(tiny_llm, monkeypatc
             release.set()
         assert answered_meanwhile and health.status_code == 200
         assert slow.result().status_code in (200, 201), slow.result().text
+
+
+def test_a_session_gets_its_own_kv_policy(http):
+    body = {"token_ids": list(range(5, 105)), "kv_policy": "restore", "kv_sink_tokens": 16, "kv_window_tokens": 32}
+    info = http.post("/v1/sessions", json=body).json()
+    assert (info["kv_policy"], info["kv_sink_tokens"], info["kv_window_tokens"]) == ("restore", 16, 32)
+    assert info["kv_bytes_per_token"] > 0 and info["tier_bytes_per_token"] > 0
+    generated = http.post(f"/v1/sessions/{info['session_id']}/generate", json={"max_tokens": 2})
+    assert generated.status_code == 200, generated.text
+    assert http.get(f"/v1/sessions/{info['session_id']}").json()["host_tier_bytes"] > 0

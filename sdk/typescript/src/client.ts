@@ -35,6 +35,7 @@ import {
   type TokenIds,
   tokenIds,
   typed,
+  UINT32,
 } from "./wire.js";
 
 export interface ClientOptions {
@@ -54,6 +55,15 @@ export interface CreateSessionOptions extends CallOptions {
   tokens?: TokenIds;
   /** Idle seconds before the server evicts the session, in [1, 30 days]. Unset: the server's default. */
   ttlS?: number;
+  /**
+   * KV policy for the session's whole life: "full" (exact, memory grows), "sink_window" (bounded,
+   * forgets the middle), "restore" (bounded and exact: evicted K/V in the server's tiers). Unset: the server's.
+   */
+  kvPolicy?: "full" | "sink_window" | "restore";
+  /** Tokens at the start of the history kept resident (sink_window, restore). Unset: the server's. */
+  kvSinkTokens?: number;
+  /** Most recent tokens kept resident (sink_window, restore). Unset: the server's. */
+  kvWindowTokens?: number;
 }
 
 export interface GenerateOptions extends SamplingOptions, CallOptions {}
@@ -76,6 +86,9 @@ export class Client {
     const request = CreateSessionRequest.fromPartial({
       tokenIds: tokenIds(options.tokens),
       ttlS: typed<number>("ttlS", options.ttlS, "number"),
+      kvPolicy: typed<string>("kvPolicy", options.kvPolicy, "string"),
+      kvSinkTokens: integer("kvSinkTokens", options.kvSinkTokens, UINT32),
+      kvWindowTokens: integer("kvWindowTokens", options.kvWindowTokens, UINT32),
     });
     return new Session(this, sessionOf(await this._transport.unary("createSession", request, options)).sessionId);
   }

@@ -58,6 +58,7 @@ export interface SamplingOptions {
 }
 
 const INT32 = [-(2 ** 31), 2 ** 31 - 1] as const;
+export const UINT32 = [0, 2 ** 32 - 1] as const;
 const UINT64 = [0, Number.MAX_SAFE_INTEGER] as const; // the generated code carries uint64 as a number
 
 /** A value as error messages show it: one line, at most 80 characters, arrays as Python shows lists. */

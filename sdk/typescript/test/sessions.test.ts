@@ -6,7 +6,7 @@
 import assert from "node:assert/strict";
 import { after, before, describe, it } from "node:test";
 
-import { Client, FailedPreconditionError, NotFoundError } from "@kiln/client";
+import { Client, FailedPreconditionError, InvalidArgumentError, NotFoundError } from "@kiln/client";
 
 import { byteTokenizer, history, LONG, sharedServers } from "./helpers.js";
 
@@ -24,6 +24,20 @@ describe("sessions over a real kiln serve", () => {
     client = new Client(open.grpcAddress, { tokenizer: "server" });
   });
   after(() => client.close());
+
+  it("a session gets its own KV policy; bad policy options are typed errors", async () => {
+    const session = await client.createSession({
+      tokens: history(100), kvPolicy: "restore", kvSinkTokens: 16, kvWindowTokens: 32,
+    });
+    await session.generate({ maxTokens: 2, ignoreEos: true }).result();
+    const info = await session.info();
+    assert.deepEqual([info.kvPolicy, info.kvSinkTokens, info.kvWindowTokens], ["restore", 16, 32]);
+    assert.ok(info.hostTierBytes > 0, "evicted pages went to the host tier");
+    assert.ok(info.tierBytesPerToken > 0 && info.kvBytesPerToken > 0);
+    await assert.rejects(client.createSession({ tokens: [5], kvPolicy: "lru" as "full" }), InvalidArgumentError);
+    await assert.rejects(client.createSession({ tokens: [5], kvWindowTokens: -1 }), InvalidArgumentError);
+    await assert.rejects(client.createSession({ tokens: [5], kvPolicy: "restore", kvWindowTokens: 3 }), /kv_window_tokens/);
+  });
 
   it("turns prefill only new tokens; fork, info, list and reattach by id", async () => {
     const start = history();

@@ -93,6 +93,23 @@ export interface SessionInfo {
   idleS: number;
   /** Idle seconds after which the server evicts the session. */
   ttlS: number;
+  /** KV policy of this session for its whole life: "full", "sink_window" or "restore". */
+  kvPolicy: string;
+  /** First tokens and last tokens whose K/V stays resident (sink_window, restore; 0 under full). */
+  kvSinkTokens: number;
+  kvWindowTokens: number;
+  /** Resident (pool) bytes one token costs, every layer. */
+  kvBytesPerToken: number;
+  /** Bytes one token costs in a tier, every global layer, as the server's kv_codec encodes it. */
+  tierBytesPerToken: number;
+  /** This session's evicted pages held in host memory and on disk (restore), bytes. */
+  hostTierBytes: number;
+  diskTierBytes: number;
+  /**
+   * Of resident_kv_bytes, the global-attention layers' pages: what kv_policy bounds (sliding-window
+   * layers keep only their window whatever the policy).
+   */
+  globalKvBytes: number;
 }
 
 /** Token accounting of one Generate. prompt_tokens = reused_tokens + prefilled_tokens. */
@@ -111,7 +128,16 @@ export interface CreateSessionRequest {
   /** Initial history; may be empty. */
   tokenIds: number[];
   /** Idle TTL in seconds, in [1, 30 days]. Unset: the server's default. */
-  ttlS?: number | undefined;
+  ttlS?:
+    | number
+    | undefined;
+  /** KV policy for this session's life ("full", "sink_window", "restore"). Unset: the server's. */
+  kvPolicy?:
+    | string
+    | undefined;
+  /** Tokens kept resident at the start and at the end of the history (sink_window, restore). Unset: the server's. */
+  kvSinkTokens?: number | undefined;
+  kvWindowTokens?: number | undefined;
 }
 
 export interface CreateSessionResponse {
@@ -320,6 +346,14 @@ function createBaseSessionInfo(): SessionInfo {
     createdAt: 0,
     idleS: 0,
     ttlS: 0,
+    kvPolicy: "",
+    kvSinkTokens: 0,
+    kvWindowTokens: 0,
+    kvBytesPerToken: 0,
+    tierBytesPerToken: 0,
+    hostTierBytes: 0,
+    diskTierBytes: 0,
+    globalKvBytes: 0,
   };
 }
 
@@ -357,6 +391,30 @@ export const SessionInfo: MessageFns<SessionInfo> = {
     }
     if (message.ttlS !== 0) {
       writer.uint32(89).double(message.ttlS);
+    }
+    if (message.kvPolicy !== "") {
+      writer.uint32(162).string(message.kvPolicy);
+    }
+    if (message.kvSinkTokens !== 0) {
+      writer.uint32(168).uint32(message.kvSinkTokens);
+    }
+    if (message.kvWindowTokens !== 0) {
+      writer.uint32(176).uint32(message.kvWindowTokens);
+    }
+    if (message.kvBytesPerToken !== 0) {
+      writer.uint32(185).double(message.kvBytesPerToken);
+    }
+    if (message.tierBytesPerToken !== 0) {
+      writer.uint32(193).double(message.tierBytesPerToken);
+    }
+    if (message.hostTierBytes !== 0) {
+      writer.uint32(200).uint64(message.hostTierBytes);
+    }
+    if (message.diskTierBytes !== 0) {
+      writer.uint32(208).uint64(message.diskTierBytes);
+    }
+    if (message.globalKvBytes !== 0) {
+      writer.uint32(216).uint64(message.globalKvBytes);
     }
     return writer;
   },
@@ -462,6 +520,70 @@ export const SessionInfo: MessageFns<SessionInfo> = {
             message.ttlS = reader.double();
             continue;
           }
+          case 20: {
+            if (tag !== 162) {
+              break;
+            }
+
+            message.kvPolicy = reader.string();
+            continue;
+          }
+          case 21: {
+            if (tag !== 168) {
+              break;
+            }
+
+            message.kvSinkTokens = reader.uint32();
+            continue;
+          }
+          case 22: {
+            if (tag !== 176) {
+              break;
+            }
+
+            message.kvWindowTokens = reader.uint32();
+            continue;
+          }
+          case 23: {
+            if (tag !== 185) {
+              break;
+            }
+
+            message.kvBytesPerToken = reader.double();
+            continue;
+          }
+          case 24: {
+            if (tag !== 193) {
+              break;
+            }
+
+            message.tierBytesPerToken = reader.double();
+            continue;
+          }
+          case 25: {
+            if (tag !== 200) {
+              break;
+            }
+
+            message.hostTierBytes = longToNumber(reader.uint64());
+            continue;
+          }
+          case 26: {
+            if (tag !== 208) {
+              break;
+            }
+
+            message.diskTierBytes = longToNumber(reader.uint64());
+            continue;
+          }
+          case 27: {
+            if (tag !== 216) {
+              break;
+            }
+
+            message.globalKvBytes = longToNumber(reader.uint64());
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -490,6 +612,14 @@ export const SessionInfo: MessageFns<SessionInfo> = {
     message.createdAt = object.createdAt ?? 0;
     message.idleS = object.idleS ?? 0;
     message.ttlS = object.ttlS ?? 0;
+    message.kvPolicy = object.kvPolicy ?? "";
+    message.kvSinkTokens = object.kvSinkTokens ?? 0;
+    message.kvWindowTokens = object.kvWindowTokens ?? 0;
+    message.kvBytesPerToken = object.kvBytesPerToken ?? 0;
+    message.tierBytesPerToken = object.tierBytesPerToken ?? 0;
+    message.hostTierBytes = object.hostTierBytes ?? 0;
+    message.diskTierBytes = object.diskTierBytes ?? 0;
+    message.globalKvBytes = object.globalKvBytes ?? 0;
     return message;
   },
 };
@@ -586,7 +716,7 @@ export const Usage: MessageFns<Usage> = {
 };
 
 function createBaseCreateSessionRequest(): CreateSessionRequest {
-  return { tokenIds: [], ttlS: undefined };
+  return { tokenIds: [], ttlS: undefined, kvPolicy: undefined, kvSinkTokens: undefined, kvWindowTokens: undefined };
 }
 
 export const CreateSessionRequest: MessageFns<CreateSessionRequest> = {
@@ -600,6 +730,15 @@ export const CreateSessionRequest: MessageFns<CreateSessionRequest> = {
     }
     if (message.ttlS !== undefined) {
       writer.uint32(17).double(message.ttlS);
+    }
+    if (message.kvPolicy !== undefined) {
+      writer.uint32(162).string(message.kvPolicy);
+    }
+    if (message.kvSinkTokens !== undefined) {
+      writer.uint32(168).uint32(message.kvSinkTokens);
+    }
+    if (message.kvWindowTokens !== undefined) {
+      writer.uint32(176).uint32(message.kvWindowTokens);
     }
     return writer;
   },
@@ -643,6 +782,30 @@ export const CreateSessionRequest: MessageFns<CreateSessionRequest> = {
             message.ttlS = reader.double();
             continue;
           }
+          case 20: {
+            if (tag !== 162) {
+              break;
+            }
+
+            message.kvPolicy = reader.string();
+            continue;
+          }
+          case 21: {
+            if (tag !== 168) {
+              break;
+            }
+
+            message.kvSinkTokens = reader.uint32();
+            continue;
+          }
+          case 22: {
+            if (tag !== 176) {
+              break;
+            }
+
+            message.kvWindowTokens = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -662,6 +825,9 @@ export const CreateSessionRequest: MessageFns<CreateSessionRequest> = {
     const message = createBaseCreateSessionRequest();
     message.tokenIds = object.tokenIds?.map((e) => e) || [];
     message.ttlS = object.ttlS ?? undefined;
+    message.kvPolicy = object.kvPolicy ?? undefined;
+    message.kvSinkTokens = object.kvSinkTokens ?? undefined;
+    message.kvWindowTokens = object.kvWindowTokens ?? undefined;
     return message;
   },
 };

@@ -1,0 +1,170 @@
+"""PageTiers: where pages that left the pool live, encoded by a KVCodec: host memory, then disk.
+
+Entries are content-addressed by the pool's key (KV group, chain hash), so sessions sharing a prefix
+share tier pages, and reference-counted by the page tables that read them. Each tier has a byte budget
+it never exceeds. A new page goes to host memory; when host memory is full its least recently used
+page moves down to disk; when disk is full too, the least recently used page nobody references is
+dropped (it was only a cache). If every page is referenced and both tiers are full, `hold` refuses and
+the caller keeps the page resident: a tier never silently loses K/V someone reads.
+
+Disk is one memory-mapped file of equal slots (a codec's pages all have `page_nbytes`) in the directory
+given, created at start and unlinked at once, so nothing is left behind whatever way the process ends.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kiln.errors import InvalidArgumentError
+from kiln.kv.codec import KVCodec
+
+TIERS = ("host", "disk")
+
+
+@dataclass
+class _Entry:
+    tier: str
+    where: torch.Tensor | int  # host: the encoded bytes; disk: the slot index
+    refs: int = 0
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    pages: dict[str, int]
+    bytes: dict[str, int]
+    budget_bytes: dict[str, int]
+
+
+class PageTiers:
+    def __init__(self, codec: KVCodec, host_budget_bytes: int, disk_dir: str | None = None, disk_budget_bytes: int = 0) -> None:
+        for option, value in (("kv_host_budget_mb", host_budget_bytes), ("kv_disk_budget_mb", disk_budget_bytes)):
+            if value < codec.page_nbytes and (option == "kv_host_budget_mb" or disk_dir is not None):
+                raise InvalidArgumentError(
+                    f"{option} must hold at least one page ({codec.page_nbytes} bytes with kv_codec {codec.name!r})", option
+                )
+        self.codec = codec
+        self._capacity = {"host": host_budget_bytes // codec.page_nbytes, "disk": 0}
+        self._entries: dict[Hashable, _Entry] = {}
+        self._lru: dict[str, OrderedDict[Hashable, None]] = {tier: OrderedDict() for tier in TIERS}
+        self._disk: np.memmap | None = None
+        self._free_slots: list[int] = []
+        if disk_dir is not None:
+            self._open_disk(disk_dir, disk_budget_bytes // codec.page_nbytes)
+
+    def _open_disk(self, directory: str, slots: int) -> None:
+        if not os.path.isdir(directory):
+            raise InvalidArgumentError(f"kv_disk_dir {directory!r} is not an existing directory", "kv_disk_dir")
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise InvalidArgumentError(f"kv_disk_dir {directory!r} is not writable", "kv_disk_dir")
+        try:
+            fd, path = tempfile.mkstemp(prefix="kiln-kv-", suffix=".pages", dir=directory)
+        except OSError as error:
+            raise InvalidArgumentError(f"kv_disk_dir {directory!r} is not writable: {error}", "kv_disk_dir") from error
+        try:
+            os.ftruncate(fd, slots * self.codec.page_nbytes)
+            self._disk = np.memmap(path, dtype=np.uint8, mode="r+", shape=(slots, self.codec.page_nbytes))
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        self._capacity["disk"] = slots
+        self._free_slots = list(range(slots - 1, -1, -1))
+
+    # ---- what the tiers hold --------------------------------------------------------------------------
+
+    def usage(self) -> TierUsage:
+        size = self.codec.page_nbytes
+        pages = {tier: len(self._lru[tier]) for tier in TIERS}
+        return TierUsage(pages, {t: n * size for t, n in pages.items()}, {t: n * size for t, n in self._capacity.items()})
+
+    def has(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def tier_of(self, key: Hashable) -> str:
+        return self._entries[key].tier
+
+    def references(self, key: Hashable | None = None) -> int:
+        """Page tables referencing `key` (None: the sum over every page)."""
+        if key is None:
+            return sum(entry.refs for entry in self._entries.values())
+        return self._entries[key].refs
+
+    # ---- references -----------------------------------------------------------------------------------
+
+    def hold(self, key: Hashable, page: torch.Tensor) -> bool:
+        """Take a reference to `key`, storing `page` ([2, slots, page_size, kv_heads, head_dim]) under it
+        if no tier has it yet. False (nothing changed) when every tier is full of referenced pages."""
+        entry = self._entries.get(key)
+        if entry is None:
+            if not self._room_in_host():
+                return False
+            entry = _Entry("host", self.codec.encode(page.cpu()))
+            self._entries[key] = entry
+        entry.refs += 1
+        self._lru[entry.tier][key] = None
+        self._lru[entry.tier].move_to_end(key)
+        return True
+
+    def acquire(self, key: Hashable) -> None:
+        self._entries[key].refs += 1
+
+    def release(self, key: Hashable) -> None:
+        """Drop one reference; an unreferenced page stays (a cache) until its tier needs the room."""
+        entry = self._entries[key]
+        if entry.refs <= 0:
+            raise RuntimeError("tier page released more times than acquired")
+        entry.refs -= 1
+
+    # ---- reads ----------------------------------------------------------------------------------------
+
+    def load(self, keys: Sequence[Hashable], slot: int, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Decode K and V of one slot of each page into out[0][i], out[1][i] (each [page_size, kv_heads,
+        head_dim]); marks the pages recently used."""
+        for i, key in enumerate(keys):
+            entry = self._entries[key]
+            k, v = self.codec.decode_slot(self._bytes(entry), slot)
+            out[0][i].copy_(k)
+            out[1][i].copy_(v)
+            self._lru[entry.tier].move_to_end(key)
+
+    def page(self, key: Hashable) -> torch.Tensor:
+        """The whole decoded page [2, slots, page_size, kv_heads, head_dim]."""
+        return self.codec.decode(self._bytes(self._entries[key]))
+
+    def _bytes(self, entry: _Entry) -> torch.Tensor:
+        if entry.tier == "host":
+            return entry.where  # type: ignore[return-value]
+        return torch.from_numpy(self._disk[entry.where])  # type: ignore[index]
+
+    # ---- moves ----------------------------------------------------------------------------------------
+
+    def _room_in_host(self) -> bool:
+        """Make room for one more host page: move the coldest host page to disk (dropping the coldest
+        unreferenced disk page if disk is full), else drop the coldest unreferenced host page."""
+        if len(self._lru["host"]) < self._capacity["host"]:
+            return True
+        if self._capacity["disk"] and (self._free_slots or self._drop_unreferenced("disk")):
+            key, _ = self._lru["host"].popitem(last=False)
+            entry = self._entries[key]
+            slot = self._free_slots.pop()
+            self._disk[slot] = entry.where.numpy()  # type: ignore[index, union-attr]
+            entry.tier, entry.where = "disk", slot
+            self._lru["disk"][key] = None
+            return True
+        return self._drop_unreferenced("host")
+
+    def _drop_unreferenced(self, tier: str) -> bool:
+        victim = next((key for key in self._lru[tier] if self._entries[key].refs == 0), None)
+        if victim is None:
+            return False
+        entry = self._entries.pop(victim)
+        del self._lru[tier][victim]
+        if tier == "disk":
+            self._free_slots.append(entry.where)  # type: ignore[arg-type]
+        return True
