@@ -49,6 +49,11 @@ class EngineConfig:
     session_ttl_s: float = 3600.0  # idle sessions older than this are evicted
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     cache_dir: str | None = None  # converted-weight cache; None = $KILN_CACHE_DIR or ~/.cache/kiln
+    # Persistence (kiln/snapshots): sessions are saved after each turn and on eviction and shutdown, and
+    # come back by id after a restart; explicit snapshots and restores. A local directory, or a store URL
+    # (redis://host:port/db, shared by several servers). Off when neither is set.
+    snapshot_dir: str | None = None
+    snapshot_store: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -78,6 +83,8 @@ class EngineConfig:
         tokens = self.num_speculative_tokens
         if not isinstance(tokens, int) or isinstance(tokens, bool) or not 1 <= tokens <= MAX_SPECULATIVE_TOKENS:
             problems.append(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {tokens!r}")
+        if self.snapshot_dir is not None and self.snapshot_store is not None:
+            problems.append("set snapshot_dir or snapshot_store, not both")
         if self.session_ttl_s <= 0:
             problems.append("session_ttl_s must be positive")
         if problems:
