@@ -1,4 +1,4 @@
-"""`kiln` command line: generate and chat on the embedded model (or --model)."""
+"""`kiln` command line: generate and chat on the embedded model (or --model), serve it, manage snapshots."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import sys
 from kiln.chat import reply_prefix, turn_closer, turn_text
 from kiln.config import QUANTIZATIONS, SPECULATIVE_METHODS
 from kiln.engine.sampler import SamplingParams
-from kiln.errors import KilnError
+from kiln.errors import InvalidArgumentError, KilnError
 from kiln.llm import LLM
 from kiln.server.service import MAX_REQUEST_BYTES
+from kiln.snapshots.commands import add_parser as add_snapshot_parser
+from kiln.snapshots.store import default_directory
 from kiln.text import TextDeltas
 
 
@@ -35,6 +37,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-sessions", type=int, default=None, help="live sessions before LRU eviction")
     parser.add_argument("--session-ttl-s", type=float, default=None, help="idle seconds before a session is evicted")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--snapshot-dir", default=None, help="persist sessions and snapshots in this directory")
+    parser.add_argument("--snapshot-store", default=None,
+                        help="persist them in this store instead: redis://host:port/db (shared by several servers)")
 
 
 def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
@@ -58,6 +63,8 @@ def _llm(args: argparse.Namespace) -> LLM:
         "max_sessions": args.max_sessions,
         "session_ttl_s": args.session_ttl_s,
         "num_threads": args.threads,
+        "snapshot_dir": args.snapshot_dir,
+        "snapshot_store": args.snapshot_store,
     }
     if args.kv_budget_mb:
         options["kv_budget_bytes"] = args.kv_budget_mb * 1024**2
@@ -153,6 +160,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_request_bytes=args.max_request_bytes, served_model_names=tuple(args.served_model_name),
     )
     api_keys_for(options)  # refuse an unsafe bind before spending seconds on loading the model
+    if args.no_persist:
+        if args.snapshot_dir or args.snapshot_store:
+            raise InvalidArgumentError("--no-persist contradicts --snapshot-dir / --snapshot-store")
+    elif not args.snapshot_store and not args.snapshot_dir:
+        args.snapshot_dir = str(default_directory())  # a server persists sessions unless told not to
     with _llm(args) as llm:
         serve(llm, options)
 
@@ -184,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="largest request body (HTTP) or message (gRPC) accepted, bytes")
     serve.add_argument("--served-model-name", action="append", default=[],
                        help="another id the OpenAI API accepts and lists for the model (repeatable)")
+    serve.add_argument("--no-persist", action="store_true",
+                       help=f"keep sessions in memory only (default: persist them in {default_directory()})")
     serve.set_defaults(run=cmd_serve)
+    add_snapshot_parser(commands)
     args = parser.parse_args(argv)
     try:
         args.run(args)

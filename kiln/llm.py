@@ -17,9 +17,9 @@ from kiln.engine.sequence import Event, FinishEvent, Sequence
 from kiln.engine.stream import BaseStream, GenerationStream
 from kiln.errors import FailedPreconditionError, InvalidArgumentError, KilnError
 from kiln.models.loader import LoadedModel, load_model
-from kiln.results import SessionInfo, Usage
+from kiln.results import SessionInfo, SnapshotInfo, Usage
 from kiln.sessions import SessionStore
-from kiln.snapshots.persistence import Persistence, SnapshotInfo
+from kiln.snapshots.persistence import Persistence
 from kiln.snapshots.store import open_store
 from kiln.text import TextDeltas
 from kiln.tokenizer import Tokenizer
@@ -124,15 +124,17 @@ class LLM:
 
     def restore_session(self, snapshot_id: str) -> Session:
         """A new session with a snapshot's history and K/V (verified before anything is loaded)."""
-        return Session(self, self._persistence().restore(snapshot_id, None))
+        return Session(self, self.snapshots.restore(snapshot_id, None))
 
     def list_snapshots(self) -> list[SnapshotInfo]:
-        return self._persistence().list(None)
+        return self.snapshots.list(None)
 
     def delete_snapshot(self, snapshot_id: str) -> None:
-        self._persistence().delete(snapshot_id, None)
+        self.snapshots.delete(snapshot_id, None)
 
-    def _persistence(self) -> Persistence:
+    @property
+    def snapshots(self) -> Persistence:
+        """The snapshot service; FailedPreconditionError when persistence is off."""
         if self.persistence is None:
             raise FailedPreconditionError("snapshots are off: set snapshot_dir or snapshot_store")
         return self.persistence
@@ -192,7 +194,7 @@ class Session:
 
     def snapshot(self) -> str:
         """Save this (idle) session as a checkpoint; returns its id once it is durable."""
-        return self.llm._persistence().snapshot(self.id, None)
+        return self.llm.snapshots.snapshot(self.id, None)
 
     def close(self) -> None:
         self.llm.sessions.close(self.id)

@@ -39,3 +39,15 @@ class SessionInfo:
     created_at: float  # unix seconds
     idle_s: float
     ttl_s: float
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """A checkpoint of a session (Session.snapshot)."""
+
+    snapshot_id: str
+    session_id: str  # the session it was taken of
+    history_tokens: int
+    kv_tokens: int  # history tokens whose K/V it holds
+    pages: int  # KV pages it references
+    created_at: float  # unix seconds

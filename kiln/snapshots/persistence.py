@@ -32,6 +32,7 @@ import torch
 from kiln.engine.engine import Engine
 from kiln.errors import FailedPreconditionError, KilnError, NotFoundError
 from kiln.kv.image import KVImage, PageKey
+from kiln.results import SnapshotInfo
 from kiln.snapshots import blobs
 from kiln.snapshots.manifest import (
     KIND_CHECKPOINT,
@@ -63,17 +64,6 @@ class SessionCapture:
     ttl_s: float
     created_at: float
     image: KVImage
-
-
-@dataclass(frozen=True)
-class SnapshotInfo:
-    snapshot_id: str
-    kind: str
-    session_id: str | None
-    history_tokens: int
-    kv_tokens: int  # history tokens whose K/V the snapshot holds
-    pages: int
-    created_at: float
 
 
 @dataclass
@@ -335,5 +325,5 @@ def _buffer(block: torch.Tensor) -> memoryview:
 
 
 def _info(manifest: Manifest) -> SnapshotInfo:
-    return SnapshotInfo(manifest.snapshot_id, manifest.kind, manifest.session_id, len(manifest.token_ids),
+    return SnapshotInfo(manifest.snapshot_id, manifest.session_id or "", len(manifest.token_ids),
                         manifest.num_computed, manifest.page_count(), manifest.created_at)
