@@ -94,9 +94,16 @@ def start_server(
 
 
 @pytest.fixture(scope="session")
-def server_factory(tmp_path_factory) -> Iterator:
+def servers_root(tmp_path_factory) -> Path:
+    """The tiny model directories and the converted-weight cache every server of the run shares (the
+    first start in a fresh cache converts weights and builds kernels: a minute or more)."""
+    return tmp_path_factory.mktemp("servers")
+
+
+@pytest.fixture(scope="session")
+def server_factory(servers_root) -> Iterator:
     """start(arch="llama", api_keys=(), extra=()) -> ServerHandle; every server is stopped at the end."""
-    root = tmp_path_factory.mktemp("servers")
+    root = servers_root
     started: list[ServerHandle] = []
 
     def start(arch: str = "llama", api_keys: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> ServerHandle:

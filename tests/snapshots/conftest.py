@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, servers_root  # noqa: F401 - a fixture the server tests share
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
