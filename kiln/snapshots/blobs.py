@@ -13,8 +13,9 @@ import zstandard
 
 from kiln.errors import FailedPreconditionError
 
-# zstd level 1: float K/V compresses little at any level (the mantissas are noise), and level 19 costs
-# 30x the time of level 1 for ~2 % fewer bytes on these pages; saves sit in the turn loop.
+# zstd level 1. Float K/V compresses little whatever the level: on the embedded model's fp32 pages level 1
+# keeps 93.2 % of the bytes at ~40 MB per 2k-token session per 48 ms of one core, level 3 93.1 % for the
+# same time, byte-plane shuffling gains nothing more, and negative (fast) levels keep 100 %.
 LEVEL = 1
 _local = threading.local()  # zstd contexts are not thread-safe; one pair per thread
 

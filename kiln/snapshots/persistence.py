@@ -25,7 +25,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -53,6 +53,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 HASH_THREADS = 2  # hashing and zstd release the GIL: pages of one save are encoded in parallel
 Observer = Callable[[str, float], None]  # ("save" | "restore", seconds)
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -287,13 +289,13 @@ class Persistence:
         with self._cond:
             memo = dict(self._memo.get(capture.session_id, {}))
         keys = list(image.blocks)
-        digests = dict(zip(keys, self._pool.map(lambda key: blobs.digest(_buffer(image.blocks[key])), keys), strict=True))
+        digests = dict(zip(keys, self._map(lambda key: blobs.digest(_buffer(image.blocks[key])), keys), strict=True))
         for key, (page, digest) in memo.items():
             if key not in digests and image.pages[key[0]][key[1]] == page:
                 digests[key] = digest
         missing = self.store.missing({digests[key] for key in keys})
         fresh = {digest: key for key, digest in digests.items() if digest in missing and key in image.blocks}
-        compressed = dict(zip(fresh, self._pool.map(lambda d: blobs.compress(_buffer(image.blocks[fresh[d]])), fresh), strict=True))
+        compressed = dict(zip(fresh, self._map(lambda d: blobs.compress(_buffer(image.blocks[fresh[d]])), list(fresh)), strict=True))
         layout = self.engine.kv_layout
         groups = tuple(
             GroupPages(group.layers, group.window, tuple(None if page is None else digests[(g, i)] for i, page in enumerate(image.pages[g])))
@@ -306,6 +308,13 @@ class Persistence:
             session_created_at=capture.created_at,
         )
         return self.store.save(manifest, compressed), digests
+
+    def _map(self, fn: Callable[[T], R], items: list[T]) -> list[R]:
+        """fn over items on the encoding threads, in about one batch per thread (a future per page would
+        cost more than hashing a small page)."""
+        size = max(1, -(-len(items) // HASH_THREADS))
+        batches = self._pool.map(lambda batch: [fn(item) for item in batch], [items[i : i + size] for i in range(0, len(items), size)])
+        return [result for batch in batches for result in batch]
 
     def _fetch(self, manifest: Manifest, owner: str | None) -> SessionCapture:
         started = time.perf_counter()
