@@ -4,6 +4,7 @@ a corrupt blob is refused while the server keeps serving; two servers share one 
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kiln.client import Client, FailedPreconditionError, NotFoundError
+from kiln.client import AsyncClient, Client, FailedPreconditionError, NotFoundError
 from kiln.snapshots.manifest import session_snapshot_id
 from tests.server.conftest import start_server, tiny_model_dir
 from tests.tiny_models import TINY_CONFIGS
@@ -122,11 +123,24 @@ def test_checkpoints_over_grpc_and_rest_are_scoped_and_verified(model, tmp_path)
         with pytest.raises(FailedPreconditionError, match="corrupt|digest"):
             a.restore_session(snapshot_id)
         assert tokens(a.create_session(PROMPT[:10]), **GREEDY)  # the server keeps serving
+        assert asyncio.run(_async_round_trip(server.grpc_address)) == len(PROMPT)
         metrics = httpx.get(f"{server.http_url}/metrics").text
         assert "kiln_snapshot_verification_failures_total 1.0" in metrics
-        assert 'kiln_snapshot_saves_total{kind="checkpoint"} 2.0' in metrics
+        assert 'kiln_snapshot_saves_total{kind="checkpoint"} 3.0' in metrics
         assert "kiln_snapshot_seconds_count" in metrics
     server.stop()
+
+
+async def _async_round_trip(address: str) -> int:
+    """The asyncio SDK: snapshot, list, restore, delete; returns the restored history's length."""
+    async with AsyncClient(address, api_key="key-b") as client:
+        session = await client.create_session(PROMPT)
+        snapshot_id = await session.snapshot()
+        assert [s.snapshot_id for s in await client.list_snapshots()] == [snapshot_id]
+        restored = await client.restore_session(snapshot_id)
+        await client.delete_snapshot(snapshot_id)
+        assert await client.list_snapshots() == []
+        return (await restored.info()).history_tokens
 
 
 def _manifest(root: Path, snapshot_id: str):
