@@ -172,7 +172,10 @@ class SessionStore:
 
     def close_all(self) -> None:
         """Release every session (server shutdown); each counts as closed. With persistence, each idle
-        session is saved first, to come back after the restart."""
+        session is saved first, to come back after the restart (after the background saves queued so far,
+        so an older capture of a session never lands after its final one)."""
+        if self.persistence is not None:
+            self.persistence.flush()  # without the store lock: the saver takes it to capture
         with self.lock:
             for session in list(self._sessions.values()):
                 if self.persistence is not None and session.active is None and session.failure is None:

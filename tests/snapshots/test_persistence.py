@@ -3,15 +3,24 @@ back after eviction and restart (a second LLM over the same directory), owner sc
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from kiln.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from kiln.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from kiln.snapshots.local import DirectoryStore
 from kiln.snapshots.manifest import session_snapshot_id
 from kiln.snapshots.store import open_store
+from tests.snapshots.conftest import RedisProcess
 
 ARCHS = ["llama", "gemma3"]  # gemma3: window groups release pages (null in the manifest)
 GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -253,3 +262,51 @@ def test_gc_keeps_referenced_blobs_only(tiny_llm, tmp_path):
     assert not store.missing(store.get_manifest(kept).digests())
     assert _blobs(tmp_path) == {f"{d}.zst" for d in store.get_manifest(kept).digests()}
     assert llm.restore_session(kept).tokens[:100] == prompt(100)
+
+
+def test_a_full_disk_fails_the_save_not_the_session(tiny_llm, tmp_path, monkeypatch):
+    llm = tiny_llm("llama", snapshot_dir=str(tmp_path))
+    session = llm.create_session(prompt(40))
+    generated(session, max_tokens=2)
+    earlier = session.snapshot()
+    history = session.tokens
+
+    def full(*args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DirectoryStore, "_write_blob", full)
+    session.append(prompt(20, seed=3))
+    more = generated(session, max_tokens=2)  # new pages: the background save of this turn fails too
+    llm.persistence.flush()
+    failures = llm.persistence.stats.save_failures["RESOURCE_EXHAUSTED"]
+    with pytest.raises(ResourceExhaustedError, match="full"):
+        session.snapshot()
+    assert llm.persistence.stats.save_failures["RESOURCE_EXHAUSTED"] == failures + 1
+    assert session.tokens == history + prompt(20, seed=3) + more
+    assert generated(session, max_tokens=2)  # the session in memory goes on
+    monkeypatch.undo()
+    assert llm.restore_session(earlier).tokens == history  # the earlier snapshot is intact
+
+
+def test_redis_going_away_fails_the_save_not_the_session(tiny_llm, redis_server, tmp_path):
+    own = RedisProcess(tmp_path)
+    llm = tiny_llm("llama", snapshot_store=own.url)
+    session = llm.create_session(prompt(40))
+    generated(session, max_tokens=2)
+    assert session.snapshot()
+    own.stop()
+    with pytest.raises(UnavailableError):
+        session.snapshot()
+    assert llm.persistence.stats.save_failures["UNAVAILABLE"] == 1
+    assert generated(session, max_tokens=2) and len(session.tokens) == 44
+
+
+def test_checkpoints_move_between_engines_through_redis(tiny_llm, redis_url):
+    one = tiny_llm("llama", speculative=None, snapshot_store=redis_url)
+    session = one.create_session(prompt(70))
+    generated(session)
+    snapshot_id = session.snapshot()
+    two = tiny_llm("llama", speculative=None, snapshot_store=redis_url)
+    moved = two.restore_session(snapshot_id)
+    assert moved.info().computed_tokens == len(session.tokens) - 1
+    assert generated(moved) == generated(session)
