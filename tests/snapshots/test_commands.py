@@ -5,9 +5,11 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from pathlib import Path
 
 from kiln.cli import main
 from kiln.snapshots.local import DirectoryStore
+from kiln.snapshots.store import default_directory
 from tests.snapshots.synthetic import page, synthetic
 
 
@@ -62,3 +64,12 @@ def test_a_corrupt_or_unknown_export_is_refused(tmp_path, capsys):
     assert code == 2 and "INVALID_ARGUMENT" in err
     code, _, err = run(capsys, "--snapshot-dir", str(tmp_path / "a"), "inspect", "snap-none")
     assert code == 2 and "NOT_FOUND" in err
+
+
+def test_serve_persists_under_the_data_directory_unless_told_otherwise(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    assert default_directory() == tmp_path / "kiln" / "snapshots"
+    monkeypatch.delenv("XDG_DATA_HOME")
+    assert default_directory() == Path.home() / ".local" / "share" / "kiln" / "snapshots"
+    code = main(["serve", "--no-persist", "--snapshot-dir", str(tmp_path), "--model", "unused"])
+    assert code == 2 and "--no-persist contradicts" in capsys.readouterr().err
