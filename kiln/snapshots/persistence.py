@@ -70,6 +70,8 @@ class SessionCapture:
 
 @dataclass
 class SnapshotStats:
+    """Counters of one Persistence, updated under its lock (exported as metrics)."""
+
     saves: Counter[str] = field(default_factory=Counter)  # by kind
     save_failures: Counter[str] = field(default_factory=Counter)  # by error code
     restores: Counter[str] = field(default_factory=Counter)  # by source: checkpoint | session
@@ -121,7 +123,8 @@ class Persistence:
         manifest = self._manifest(snapshot_id, owner)
         capture = self._fetch(manifest, owner)
         session_id = self.sessions.adopt(capture)
-        self.stats.restores[KIND_CHECKPOINT] += 1
+        with self._cond:
+            self.stats.restores[KIND_CHECKPOINT] += 1
         return session_id
 
     def info(self, snapshot_id: str, owner: str | None) -> SnapshotInfo:
@@ -184,7 +187,8 @@ class Persistence:
         if manifest is None or manifest.owner != owner_digest(owner):
             return None
         capture = self._fetch(manifest, owner)
-        self.stats.restores[KIND_SESSION] += 1
+        with self._cond:
+            self.stats.restores[KIND_SESSION] += 1
         return capture
 
     def save_now(self, capture: SessionCapture) -> None:
@@ -267,7 +271,8 @@ class Persistence:
         try:
             report, digests = self._write(capture, snapshot_id, kind)
         except KilnError as error:
-            self.stats.save_failures[error.code] += 1
+            with self._cond:
+                self.stats.save_failures[error.code] += 1
             raise
         image = capture.image
         full = image.full_pages(self.engine.kv_layout.page_size)
@@ -276,10 +281,10 @@ class Persistence:
                 self._memo[capture.session_id] = {
                     key: (image.pages[key[0]][key[1]], digest) for key, digest in digests.items() if key[1] < full
                 }
-        self.stats.saves[kind] += 1
-        self.stats.bytes_written += report.bytes_written
-        self.stats.blobs_written += report.blobs_written
-        self.stats.dedup_bytes += report.blobs_deduplicated * self.engine.kv_page_bytes
+            self.stats.saves[kind] += 1
+            self.stats.bytes_written += report.bytes_written
+            self.stats.blobs_written += report.blobs_written
+            self.stats.dedup_bytes += report.blobs_deduplicated * self.engine.kv_page_bytes
         for observe in self._observers:
             observe("save", time.perf_counter() - started)
         return report
@@ -321,7 +326,8 @@ class Persistence:
         try:
             image = fetch(manifest, self.engine, self.store)
         except FailedPreconditionError:
-            self.stats.verification_failures += 1
+            with self._cond:
+                self.stats.verification_failures += 1
             raise
         for observe in self._observers:
             observe("restore", time.perf_counter() - started)
