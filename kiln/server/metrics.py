@@ -63,8 +63,8 @@ class _EngineState(Collector):
         yield CounterMetricFamily("kiln_spec_verify_steps", "Decode rows that carried a draft", value=stats.spec_verify_steps)
         yield _labelled_counter("kiln_cache_invariant_violations", "Cache invariant violations by kind", "kind",
                                 violations, ("inv1", "inv2"))
-        if self.llm.persistence is not None:
-            yield from _snapshot_counters(self.llm.persistence.stats)
+        persistence = self.llm.persistence  # zeros when persistence is off: every series always exists
+        yield from _snapshot_counters(persistence.stats if persistence is not None else SnapshotStats())
 
 
 def _snapshot_counters(stats: SnapshotStats):  # noqa: ANN202 - metric families
@@ -104,6 +104,8 @@ class Metrics:
         llm.engine.add_finish_observer(self._observe_generate)
         self.snapshot_seconds = Histogram("kiln_snapshot_seconds", "Snapshot save (capture to durable) and restore "
                                           "(read and verify) time", ["op"], buckets=SECONDS_BUCKETS, registry=self.registry)
+        for op in ("save", "restore"):
+            self.snapshot_seconds.labels(op)  # the series exist (empty) before the first save
         if llm.persistence is not None:
             llm.persistence.add_observer(lambda op, seconds: self.snapshot_seconds.labels(op).observe(seconds))
 
