@@ -97,18 +97,33 @@ class DirectoryStore(SnapshotStore):
             unknown = absent - blobs.keys()
             if unknown:
                 raise FailedPreconditionError(f"page blob {min(unknown)[:16]} is neither stored nor part of this save")
-            list(self._pool.map(lambda digest: self._write_blob(digest, blobs[digest]), sorted(absent)))
+            created = [d for d, new in zip(sorted(absent), self._pool.map(lambda d: self._write_blob(d, blobs[d]), sorted(absent)),
+                                           strict=True) if new]
             if absent and _syncfs is not None:
                 self._syncfs()
             data = manifest.to_json()
             self._write_file(self._manifest_path(manifest.snapshot_id), data, sync=True)
             _fsync_dir(self.root / "manifests")
-            return SaveReport(len(absent), sum(len(blobs[d]) for d in absent) + len(data), len(needed) - len(absent))
+            return SaveReport(len(created), sum(len(blobs[d]) for d in created) + len(data), len(needed) - len(created))
 
-    def _write_blob(self, digest: str, data: bytes) -> None:
+    def _write_blob(self, digest: str, data: bytes) -> bool:
+        """Set-if-absent: the blob is written to tmp/ and hard-linked into place, which fails if a save
+        beside this one got there first. True if this call created it."""
         path = self._blob_path(digest)
         path.parent.mkdir(exist_ok=True)
-        self._write_file(path, data, sync=_syncfs is None)
+        tmp = self.root / "tmp" / f"{path.name}.{secrets.token_hex(6)}"
+        try:
+            with open(tmp, "wb") as file:
+                file.write(data)
+                if _syncfs is None:
+                    file.flush()
+                    os.fsync(file.fileno())
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def gc(self) -> GcReport:
         with _io_errors("collecting snapshot garbage"), self._lock(fcntl.LOCK_EX):
@@ -128,7 +143,8 @@ class DirectoryStore(SnapshotStore):
             return GcReport(len(manifests), kept, deleted, freed)
 
     def _write_file(self, path: Path, data: bytes, sync: bool) -> Path:
-        """Write via tmp/ and rename; fsync first if `sync`. No partial file is ever at `path`."""
+        """Write via tmp/ and rename (replacing what is there); fsync first if `sync`. No partial file is
+        ever at `path`."""
         tmp = self.root / "tmp" / f"{path.name}.{secrets.token_hex(6)}"
         try:
             with open(tmp, "wb") as file:

@@ -79,14 +79,15 @@ class RedisStore(SnapshotStore):
             for digest in sorted(absent):
                 pipe.set(PREFIX + "blob:" + digest, blobs[digest], nx=True)
                 pipe.sadd(PREFIX + "blobs", digest)
-            pipe.execute()
+            replies = pipe.execute()[0::2]  # SET NX: None where a save beside this one got there first
+            created = [d for d, reply in zip(sorted(absent), replies, strict=True) if reply]
             data = manifest.to_json()
             pipe = self.client.pipeline(transaction=True)
             pipe.set(PREFIX + "manifest:" + manifest.snapshot_id, data)
             pipe.sadd(PREFIX + "manifests", manifest.snapshot_id)
             pipe.execute()
-            size = sum(len(blobs[d]) for d in absent)
-            return SaveReport(len(absent), size + len(data), len(needed) - len(absent))
+            size = sum(len(blobs[d]) for d in created)
+            return SaveReport(len(created), size + len(data), len(needed) - len(created))
 
     def gc(self) -> GcReport:
         with _redis_errors("collecting snapshot garbage"), self._gc_lease():

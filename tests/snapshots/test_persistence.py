@@ -294,6 +294,7 @@ def test_redis_going_away_fails_the_save_not_the_session(tiny_llm, redis_server,
     session = llm.create_session(prompt(40))
     generated(session, max_tokens=2)
     assert session.snapshot()
+    llm.persistence.flush()  # the turn's background save is done: the failure below is the explicit one
     own.stop()
     with pytest.raises(UnavailableError):
         session.snapshot()

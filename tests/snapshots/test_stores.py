@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -105,3 +106,14 @@ def test_redis_going_away_is_unavailable(redis_server, tmp_path):
         store.save(*synthetic("snap-b", [page(2)]))
     with pytest.raises(UnavailableError):
         store.get_manifest("snap-a")
+
+
+def test_concurrent_saves_write_each_blob_once(store_target):
+    store = open_store(store_target)
+    pages = [page(i) for i in range(40)]
+    with ThreadPoolExecutor(4) as pool:
+        reports = list(pool.map(lambda n: store.save(*synthetic(f"snap-{n}", pages)), range(4)))
+    assert sum(r.blobs_written for r in reports) == len(pages)
+    assert sum(r.blobs_deduplicated for r in reports) == 3 * len(pages)
+    assert not store.missing(blobs.digest(p) for p in pages)
+    store.close()
