@@ -71,7 +71,8 @@ class DirectoryStore(SnapshotStore):
             except FileNotFoundError:
                 return None
 
-    def manifest_ids(self) -> list[str]:
+    def manifest_ids(self, owner: str | None = None) -> list[str]:
+        """Every id: a directory has no owner index (manifests() filters by owner after reading)."""
         with _io_errors("listing snapshots"):
             names = (p.name.removesuffix(".json") for p in (self.root / "manifests").iterdir() if p.suffix == ".json")
             return sorted(name for name in names if SNAPSHOT_ID.fullmatch(name))

@@ -132,8 +132,7 @@ class Persistence:
 
     def list(self, owner: str | None) -> list[SnapshotInfo]:
         """The owner's checkpoints, oldest first."""
-        mine = owner_digest(owner)
-        found = [m for m in self.store.manifests() if m.owner == mine and m.kind == KIND_CHECKPOINT]
+        found = [m for m in self.store.manifests(owner_digest(owner)) if m.kind == KIND_CHECKPOINT]
         return [_info(m) for m in sorted(found, key=lambda m: m.created_at)]
 
     def delete(self, snapshot_id: str, owner: str | None) -> None:

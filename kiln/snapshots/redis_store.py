@@ -4,6 +4,7 @@
     kiln:blobs                set of stored blob digests (what gc walks)
     kiln:manifest:<id>        manifest JSON
     kiln:manifests            set of manifest ids
+    kiln:owner:<digest>       set of one owner's manifest ids (what a caller's ListSnapshots reads)
     kiln:writer:<token>       lease of a save in flight (expires by itself if its writer dies)
     kiln:gc                   lease of a gc in flight
 
@@ -16,6 +17,7 @@ Redis's own (configure appendonly for crash safety of the Redis server itself).
 from __future__ import annotations
 
 import contextlib
+import json
 import secrets
 import time
 from collections.abc import Iterable, Iterator
@@ -57,15 +59,20 @@ class RedisStore(SnapshotStore):
         with _redis_errors("reading a snapshot manifest"):
             return self.client.get(PREFIX + "manifest:" + snapshot_id)
 
-    def manifest_ids(self) -> list[str]:
+    def manifest_ids(self, owner: str | None = None) -> list[str]:
         with _redis_errors("listing snapshots"):
-            return sorted(member.decode() for member in self.client.smembers(PREFIX + "manifests"))
+            key = PREFIX + "manifests" if owner is None else PREFIX + "owner:" + owner
+            return sorted(member.decode() for member in self.client.smembers(key))
 
     def delete_manifest(self, snapshot_id: str) -> bool:
+        data = self.manifest_bytes(snapshot_id)
+        owner = None if data is None else _owner_of(data)
         with _redis_errors("deleting a snapshot"):
             pipe = self.client.pipeline(transaction=True)
             pipe.delete(PREFIX + "manifest:" + snapshot_id)
             pipe.srem(PREFIX + "manifests", snapshot_id)
+            if owner is not None:
+                pipe.srem(PREFIX + "owner:" + owner, snapshot_id)
             return bool(pipe.execute()[0])
 
     def save(self, manifest: Manifest, blobs: dict[str, bytes]) -> SaveReport:
@@ -85,6 +92,7 @@ class RedisStore(SnapshotStore):
             pipe = self.client.pipeline(transaction=True)
             pipe.set(PREFIX + "manifest:" + manifest.snapshot_id, data)
             pipe.sadd(PREFIX + "manifests", manifest.snapshot_id)
+            pipe.sadd(PREFIX + "owner:" + manifest.owner, manifest.snapshot_id)
             pipe.execute()
             size = sum(len(blobs[d]) for d in created)
             return SaveReport(len(created), size + len(data), len(needed) - len(created))
@@ -138,6 +146,15 @@ class RedisStore(SnapshotStore):
             yield
         finally:
             self.client.delete(PREFIX + "gc")
+
+
+def _owner_of(data: bytes) -> str | None:
+    """The owner digest of stored manifest JSON, for its index entry (None if it cannot be read)."""
+    try:
+        owner = json.loads(data).get("owner")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    return owner if isinstance(owner, str) else None
 
 
 def _wait(deadline: float, what: str) -> None:

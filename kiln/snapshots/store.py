@@ -64,8 +64,9 @@ class SnapshotStore(ABC):
         """The stored manifest JSON of an id, or None."""
 
     @abstractmethod
-    def manifest_ids(self) -> list[str]:
-        """Every manifest id in the store."""
+    def manifest_ids(self, owner: str | None = None) -> list[str]:
+        """Every manifest id in the store; with `owner` (an owner digest), at least that owner's (a
+        backend with an owner index lists only those)."""
 
     @abstractmethod
     def delete_manifest(self, snapshot_id: str) -> bool:
@@ -91,15 +92,16 @@ class SnapshotStore(ABC):
             raise NotFoundError(f"snapshot {snapshot_id} does not exist")
         return manifest
 
-    def manifests(self) -> list[Manifest]:
-        """Every readable manifest (an unreadable one is skipped: `kiln snapshot inspect` explains it)."""
+    def manifests(self, owner: str | None = None) -> list[Manifest]:
+        """Every readable manifest, or only `owner`'s (an owner digest); an unreadable one is skipped
+        (`kiln snapshot inspect` explains it)."""
         found = []
-        for snapshot_id in self.manifest_ids():
+        for snapshot_id in self.manifest_ids(owner):
             try:
                 manifest = self.get_manifest(snapshot_id)
             except Exception:  # noqa: BLE001 - one bad manifest must not hide the others
                 continue
-            if manifest is not None:
+            if manifest is not None and (owner is None or manifest.owner == owner):
                 found.append(manifest)
         return found
 

@@ -33,6 +33,10 @@ def test_save_dedups_and_round_trips(store_target):
     assert store.save(second, {}).blobs_written == 0  # unchanged: only the manifest again
     assert store.get_manifest("snap-b") == second
     assert store.manifest_ids() == ["snap-a", "snap-b"]
+    store.save(*synthetic("snap-c", [page(4)], owner="sha256:1"))
+    assert [m.snapshot_id for m in store.manifests("sha256:1")] == ["snap-c"]
+    assert [m.snapshot_id for m in store.manifests("sha256:0")] == ["snap-a", "snap-b"]
+    assert store.delete_manifest("snap-c") and store.manifests("sha256:1") == []
     digest = blobs.digest(page(3))
     assert blobs.decompress(store.get_blob(digest), digest, PAGE_BYTES) == page(3)
     assert store.missing([digest, "0" * 64]) == {"0" * 64}
