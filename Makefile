@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: run chat test test-ts peer-test bench lint setup model proto clean
+.PHONY: run chat test test-ts peer-test bench lint setup model proto redis clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -22,7 +22,12 @@ run: model  ## serve the embedded model: gRPC on 127.0.0.1:50051, HTTP (OpenAI A
 chat: model  ## interactive chat in process, with per-turn cache statistics
 	$(BIN)/kiln chat
 
-test: model
+redis:  ## the real redis-server the snapshot tests start (Debian package): installed when missing and root
+	@command -v redis-server >/dev/null || test -x /usr/bin/redis-server || \
+		{ test "$$(id -u)" = 0 && apt-get update -qq && apt-get install -y -qq redis-server; } || \
+		echo "redis-server is missing and cannot be installed here: the Redis snapshot tests will skip"
+
+test: model redis
 	$(BIN)/ruff check kiln tests bench peer
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-ts
@@ -46,6 +51,7 @@ bench: setup
 	$(BIN)/python bench/speculation.py
 	$(BIN)/python bench/agents.py
 	$(BIN)/python bench/structured.py
+	$(BIN)/python bench/snapshot.py
 
 proto: setup  ## regenerate the checked-in Python and TypeScript message modules from proto/kiln/v1/runtime.proto
 	$(BIN)/python proto/generate.py

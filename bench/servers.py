@@ -55,6 +55,8 @@ def start(timeout_s: float = 300.0, extra_args: Sequence[str] = ()) -> Server:
     grpc_port, http_port = _free_port(), _free_port()
     command = [sys.executable, "-m", "kiln.cli", "serve", "--threads", str(THREADS),
                "--grpc-port", str(grpc_port), "--http-port", str(http_port), *extra_args]
+    if not any(arg.startswith("--snapshot") for arg in extra_args):  # persistence only where a benchmark asks
+        command.append("--no-persist")
     # Started from bench/ (no kiln there): `-m` puts the working directory first on sys.path, and from the
     # repository root that would shadow a tree the caller put first on PYTHONPATH to measure it.
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=BENCH_DIR)

@@ -1,4 +1,4 @@
-"""`kiln` command line: generate and chat on the embedded model (or --model)."""
+"""`kiln` command line: generate and chat on the embedded model (or --model), serve it, manage snapshots."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ import sys
 from kiln.chat import reply_prefix, turn_closer, turn_text
 from kiln.config import QUANTIZATIONS, SPECULATIVE_METHODS
 from kiln.engine.sampler import SamplingParams
-from kiln.errors import KilnError
+from kiln.errors import InvalidArgumentError, KilnError
 from kiln.kv.codec import CODECS
 from kiln.kv.policy import POLICIES
 from kiln.llm import LLM
 from kiln.server.service import MAX_REQUEST_BYTES
+from kiln.snapshots.commands import add_parser as add_snapshot_parser
+from kiln.snapshots.store import default_directory
 from kiln.text import TextDeltas
 
 
@@ -47,6 +49,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-disk-dir", default=None, help="directory of the disk tier (default: no disk tier)")
     parser.add_argument("--kv-disk-budget-mb", type=int, default=None, help="disk tier budget, MiB")
     parser.add_argument("--kv-stream-chunk-tokens", type=int, default=None, help="keys per chunk of streamed attention")
+    parser.add_argument("--snapshot-dir", default=None, help="persist sessions and snapshots in this directory")
+    parser.add_argument("--snapshot-store", default=None,
+                        help="persist them in this store instead: redis://host:port/db (shared by several servers)")
 
 
 def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
@@ -73,6 +78,8 @@ def _llm(args: argparse.Namespace) -> LLM:
         **{name: getattr(args, name) for name in (
             "kv_policy", "kv_sink_tokens", "kv_window_tokens", "kv_codec", "kv_host_budget_mb", "kv_disk_dir",
             "kv_disk_budget_mb", "kv_stream_chunk_tokens")},
+        "snapshot_dir": args.snapshot_dir,
+        "snapshot_store": args.snapshot_store,
     }
     if args.kv_budget_mb:
         options["kv_budget_bytes"] = args.kv_budget_mb * 1024**2
@@ -168,6 +175,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
         max_request_bytes=args.max_request_bytes, served_model_names=tuple(args.served_model_name),
     )
     api_keys_for(options)  # refuse an unsafe bind before spending seconds on loading the model
+    if args.no_persist:
+        if args.snapshot_dir or args.snapshot_store:
+            raise InvalidArgumentError("--no-persist contradicts --snapshot-dir / --snapshot-store")
+    elif not args.snapshot_store and not args.snapshot_dir:
+        args.snapshot_dir = str(default_directory())  # a server persists sessions unless told not to
     with _llm(args) as llm:
         serve(llm, options)
 
@@ -199,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="largest request body (HTTP) or message (gRPC) accepted, bytes")
     serve.add_argument("--served-model-name", action="append", default=[],
                        help="another id the OpenAI API accepts and lists for the model (repeatable)")
+    serve.add_argument("--no-persist", action="store_true",
+                       help=f"keep sessions in memory only (default: persist them in {default_directory()})")
     serve.set_defaults(run=cmd_serve)
+    add_snapshot_parser(commands)
     args = parser.parse_args(argv)
     try:
         args.run(args)

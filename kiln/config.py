@@ -64,6 +64,11 @@ class EngineConfig:
     session_ttl_s: float = 3600.0  # idle sessions older than this are evicted
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     cache_dir: str | None = None  # converted-weight cache; None = $KILN_CACHE_DIR or ~/.cache/kiln
+    # Persistence (kiln/snapshots): sessions are saved after each turn and on eviction and shutdown, and
+    # come back by id after a restart; explicit snapshots and restores. A local directory, or a store URL
+    # (redis://host:port/db, shared by several servers). Off when neither is set.
+    snapshot_dir: str | None = None
+    snapshot_store: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -103,6 +108,8 @@ class EngineConfig:
                 problems.append(f"{name} must be a positive integer, got {value!r}")
         if self.deterministic and self.kv_policy == "restore":
             problems.append("kv_policy 'restore' streams attention in chunks, which the deterministic mode's kernels do not")
+        if self.snapshot_dir is not None and self.snapshot_store is not None:
+            problems.append("set snapshot_dir or snapshot_store, not both")
         if self.session_ttl_s <= 0:
             problems.append("session_ttl_s must be positive")
         if problems:

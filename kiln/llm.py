@@ -15,10 +15,12 @@ from kiln.engine.engine import Engine
 from kiln.engine.sampler import SEED_RANGE, SamplingParams
 from kiln.engine.sequence import Event, FinishEvent, Sequence
 from kiln.engine.stream import BaseStream, GenerationStream
-from kiln.errors import InvalidArgumentError, KilnError
+from kiln.errors import FailedPreconditionError, InvalidArgumentError, KilnError
 from kiln.models.loader import LoadedModel, load_model
-from kiln.results import SessionInfo, Usage
+from kiln.results import SessionInfo, SnapshotInfo, Usage
 from kiln.sessions import SessionStore
+from kiln.snapshots.persistence import Persistence
+from kiln.snapshots.store import open_store
 from kiln.text import TextDeltas
 from kiln.tokenizer import Tokenizer
 
@@ -46,6 +48,9 @@ class LLM:
         self.loaded = loaded or load_model(self.config.model, cache_dir=cache_dir)
         self.engine = Engine(self.config, self.loaded)
         self.sessions = SessionStore(self.engine, self.config.max_sessions, self.config.session_ttl_s)
+        target = self.config.snapshot_store or self.config.snapshot_dir
+        self.persistence = Persistence(open_store(target), self.engine, self.sessions) if target else None
+        self.sessions.persistence = self.persistence
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -118,11 +123,33 @@ class LLM:
         return Session(self, self.sessions.create(tokens, ttl_s, None, kv_policy, kv_sink_tokens, kv_window_tokens))
 
     def get_session(self, session_id: str) -> Session:
-        self.sessions.info(session_id)  # NotFoundError if it is gone
+        self.sessions.info(session_id)  # NotFoundError if it is gone (restored first if persisted)
         return Session(self, session_id)
 
+    def restore_session(self, snapshot_id: str) -> Session:
+        """A new session with a snapshot's history and K/V (verified before anything is loaded)."""
+        return Session(self, self.snapshots.restore(snapshot_id, None))
+
+    def list_snapshots(self) -> list[SnapshotInfo]:
+        return self.snapshots.list(None)
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        self.snapshots.delete(snapshot_id, None)
+
+    @property
+    def snapshots(self) -> Persistence:
+        """The snapshot service; FailedPreconditionError when persistence is off."""
+        if self.persistence is None:
+            raise FailedPreconditionError("snapshots are off: set snapshot_dir or snapshot_store")
+        return self.persistence
+
     def close(self) -> None:
+        """Stop the engine; with persistence, save every session and finish queued saves first."""
         self.engine.shutdown()
+        if self.persistence is not None:
+            self.sessions.close_all()
+            self.persistence.close()
+            self.persistence = self.sessions.persistence = None
 
     def __enter__(self) -> LLM:
         return self
@@ -168,6 +195,10 @@ class Session:
 
     def fork(self, at: int | None = None) -> Session:
         return Session(self.llm, self.llm.sessions.fork(self.id, at))
+
+    def snapshot(self) -> str:
+        """Save this (idle) session as a checkpoint; returns its id once it is durable."""
+        return self.llm.snapshots.snapshot(self.id, None)
 
     def close(self) -> None:
         self.llm.sessions.close(self.id)

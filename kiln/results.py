@@ -48,3 +48,15 @@ class SessionInfo:
     tier_bytes_per_token: float = 0.0  # the same token encoded by the engine's kv_codec in a tier
     host_tier_bytes: int = 0  # this session's evicted pages in host memory / on disk (shared pages count
     disk_tier_bytes: int = 0  # for each holder)
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """A checkpoint of a session (Session.snapshot)."""
+
+    snapshot_id: str
+    session_id: str  # the session it was taken of
+    history_tokens: int
+    kv_tokens: int  # history tokens whose K/V it holds
+    pages: int  # KV pages it references
+    created_at: float  # unix seconds

@@ -6,7 +6,9 @@ is missing and its output joins the history. Sessions are visible only to the ow
 close, its idle TTL or the `max_sessions` cap (least recently used first), each counted by reason.
 Memory pressure never ends one: the engine may drop an idle session's K/V, never its history, and the
 next turn recomputes what is missing. Invariants are checked after every mutation; a violation fails
-that session only.
+that session only. With persistence (kiln/snapshots) every change is saved in the background, eviction
+saves the session before freeing it, and a call on an evicted (or, after a restart, unknown) id
+restores it from its snapshot: only close ends a persisted session for good.
 
 The store has its own lock, held for session bookkeeping only; pages belong to the engine, reached
 through its session-facing operations (lock order: store, then engine).
@@ -14,6 +16,7 @@ through its session-facing operations (lock order: store, then engine).
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -29,10 +32,15 @@ from kiln.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     InvariantViolation,
+    KilnError,
     NotFoundError,
     ResourceExhaustedError,
 )
+from kiln.kv.image import PageKey
 from kiln.results import SessionInfo, Usage
+from kiln.snapshots.persistence import Persistence, SessionCapture
+
+logger = logging.getLogger(__name__)
 
 MIN_TTL_S = 1.0  # shorter, a session could expire before its creator's next call
 MAX_TTL_S = 30 * 86400.0
@@ -66,6 +74,7 @@ class SessionStore:
         self.outcomes: Counter[str] = Counter()  # created / closed / evicted / failed
         self.invariant_violations: Counter[str] = Counter()
         self.lock = threading.RLock()
+        self.persistence: Persistence | None = None  # set by the LLM when snapshots are on
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -83,9 +92,7 @@ class SessionStore:
         policy = self.engine.policy(kv_policy, kv_sink_tokens, kv_window_tokens)
         with self.lock:
             self.expire()
-            while len(self._sessions) >= self.max_sessions:
-                if not self._evict_lru("lru"):
-                    raise ResourceExhaustedError(f"{self.max_sessions} sessions are live and none is idle")
+            self._make_room()
             return self._add(self.engine.new_sequence(ids, session=True, policy=policy), ttl, owner).session_id
 
     def fork(self, session_id: str, at: int | None = None, owner: str | None = None) -> str:
@@ -97,9 +104,7 @@ class SessionStore:
             at = length if at is None else at
             if not isinstance(at, int) or isinstance(at, bool) or not 0 <= at <= length:
                 raise InvalidArgumentError(f"fork position must be in [0, {length}], got {at!r}")
-            while len(self._sessions) >= self.max_sessions:
-                if not self._evict_lru("lru", keep=parent):
-                    raise ResourceExhaustedError(f"{self.max_sessions} sessions are live and none is idle")
+            self._make_room(keep=parent)
             self._touch(parent)
             return self._add(self.engine.fork_sequence(parent.seq, at), parent.ttl_s, owner).session_id
 
@@ -108,6 +113,8 @@ class SessionStore:
             session = self._get(session_id, owner)
             self._end(session, "closed")
             self.outcomes["closed"] += 1
+            if self.persistence is not None:
+                self.persistence.forget(session_id)
 
     # ---- history and generation -------------------------------------------------------------------
 
@@ -171,9 +178,18 @@ class SessionStore:
             return [self._info(s) for s in self._sessions.values() if s.owner == owner]
 
     def close_all(self) -> None:
-        """Release every session (server shutdown); each counts as closed."""
+        """Release every session (server shutdown); each counts as closed. With persistence, each idle
+        session is saved first, to come back after the restart (after the background saves queued so far,
+        so an older capture of a session never lands after its final one)."""
+        if self.persistence is not None:
+            self.persistence.flush()  # without the store lock: the saver takes it to capture
         with self.lock:
             for session in list(self._sessions.values()):
+                if self.persistence is not None and session.active is None and session.failure is None:
+                    try:
+                        self.persistence.save_now(self._capture(session, self.persistence.known(session.session_id)))
+                    except KilnError as error:
+                        logger.warning("saving session %s at shutdown failed: %s", session.session_id, error)
                 self._end(session, "closed (server shutdown)")
                 self.outcomes["closed"] += 1
 
@@ -187,6 +203,7 @@ class SessionStore:
         now = self._clock()
         expired = [s for s in self._sessions.values() if s.active is None and now - s.last_used > s.ttl_s]
         for session in expired:
+            self._keep(session)
             self._end(session, "evicted (idle ttl)")
             self.evictions["ttl"] += 1
             self.outcomes["evicted"] += 1
@@ -195,16 +212,71 @@ class SessionStore:
     def _evict_lru(self, reason: str, keep: _Session | None = None) -> bool:
         for session in self._sessions.values():
             if session.active is None and session is not keep:
+                self._keep(session)
                 self._end(session, f"evicted ({reason})")
                 self.evictions[reason] += 1
                 self.outcomes["evicted"] += 1
                 return True
         return False
 
+    # ---- persistence (kiln/snapshots) -------------------------------------------------------------
+
+    def capture(self, session_id: str, owner: str | None, known: dict[PageKey, int]) -> SessionCapture:
+        """A copy of an idle session's history and K/V (for an explicit snapshot)."""
+        with self.lock:
+            return self._capture(self._get(session_id, owner, idle=True), known)
+
+    def capture_idle(self, session_id: str, known: dict[PageKey, int]) -> SessionCapture | None:
+        """The same for the background saver: None if the session is gone, failed or generating (its
+        turn's end marks it again)."""
+        with self.lock:
+            session = self._sessions.get(session_id)
+            if session is None or session.active is not None or session.failure is not None:
+                return None
+            return self._capture(session, known)
+
+    def adopt(self, capture: SessionCapture) -> str:
+        """A new session (new id, the capture's owner) holding a restored capture; returns its id."""
+        with self.lock:
+            self.expire()
+            self._make_room()
+            return self._add(self.engine.load_sequence(capture.image), capture.ttl_s, capture.owner).session_id
+
+    def _capture(self, session: _Session, known: dict[PageKey, int]) -> SessionCapture:
+        image = self.engine.capture_sequence(session.seq, known)
+        return SessionCapture(session.session_id, session.owner, session.ttl_s, session.created_at, image)
+
+    def _keep(self, session: _Session) -> None:
+        """A session leaving memory by eviction: queue its save (a failed session is not kept)."""
+        if self.persistence is not None and session.failure is None:
+            self.persistence.keep(self._capture(session, {}))
+
+    def _revive(self, session_id: str, owner: str | None) -> _Session | None:
+        """An evicted or pre-restart session back from its snapshot, under its own id; None if it has
+        none (or is another owner's, or was closed)."""
+        ended = self._ended.get(session_id)
+        if self.persistence is None or (ended is not None and ended[1] == "closed"):
+            return None
+        capture = self.persistence.load(session_id, owner)
+        if capture is None:
+            return None
+        self._make_room()
+        seq = self.engine.load_sequence(capture.image)
+        self._ended.pop(session_id, None)
+        return self._add(seq, capture.ttl_s, owner, session_id, capture.created_at)
+
     # ---- internals --------------------------------------------------------------------------------
 
-    def _add(self, seq: Sequence, ttl_s: float, owner: str | None) -> _Session:
-        session = _Session(secrets.token_urlsafe(16), owner, seq, ttl_s, last_used=self._clock())
+    def _make_room(self, keep: _Session | None = None) -> None:
+        while len(self._sessions) >= self.max_sessions:
+            if not self._evict_lru("lru", keep=keep):
+                raise ResourceExhaustedError(f"{self.max_sessions} sessions are live and none is idle")
+
+    def _add(self, seq: Sequence, ttl_s: float, owner: str | None, session_id: str | None = None,
+             created_at: float | None = None) -> _Session:
+        session = _Session(session_id or secrets.token_urlsafe(16), owner, seq, ttl_s, last_used=self._clock())
+        if created_at is not None:
+            session.created_at = created_at
         session.history_mark = len(seq.tokens)
         self._sessions[session.session_id] = session
         self.outcomes["created"] += 1
@@ -214,6 +286,8 @@ class SessionStore:
     def _get(self, session_id: str, owner: str | None, idle: bool = False) -> _Session:
         self.expire()
         session = self._sessions.get(session_id) if isinstance(session_id, str) else None
+        if session is None and isinstance(session_id, str):
+            session = self._revive(session_id, owner)
         if session is None or session.owner != owner:
             ended = self._ended.get(session_id) if session is None and isinstance(session_id, str) else None
             why = ended[1] if ended is not None and ended[0] == owner else "does not exist"  # others learn nothing
@@ -252,6 +326,8 @@ class SessionStore:
             session.failure = violation
             raise
         session.history_mark = len(session.seq.tokens)
+        if self.persistence is not None and session.active is None:
+            self.persistence.mark(session.session_id)
 
     def _check_length(self, length: int) -> None:
         if length >= self.engine.max_model_len:

@@ -19,7 +19,7 @@ import grpc
 import grpc.aio
 
 from kiln.errors import NotFoundError
-from kiln.results import GenerationResult, SessionInfo
+from kiln.results import GenerationResult, SessionInfo, SnapshotInfo
 from kiln.text import TextAssembler
 from kiln.v1 import rpc
 from kiln.v1 import runtime_pb2 as pb
@@ -60,6 +60,20 @@ class AsyncClient:
         """This API key's live sessions, least recently used first."""
         reply = await self._call(self._stub.ListSessions, pb.ListSessionsRequest())
         return [wire.session_info(s) for s in reply.sessions]
+
+    async def restore_session(self, snapshot_id: str) -> AsyncSession:
+        """A new session with a snapshot's history and K/V (FailedPreconditionError if it fails
+        verification: another model or KV format, a corrupt page)."""
+        request = wire.message(pb.RestoreSessionRequest, snapshot_id=snapshot_id)
+        return AsyncSession(self, (await self._call(self._stub.RestoreSession, request)).session.session_id)
+
+    async def list_snapshots(self) -> list[SnapshotInfo]:
+        """This API key's checkpoints, oldest first."""
+        reply = await self._call(self._stub.ListSnapshots, pb.ListSnapshotsRequest())
+        return [wire.snapshot_info(s) for s in reply.snapshots]
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self._call(self._stub.DeleteSnapshot, wire.message(pb.DeleteSnapshotRequest, snapshot_id=snapshot_id))
 
     async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text` by the server's tokenizer."""
@@ -167,6 +181,11 @@ class AsyncSession:
         request = wire.message(pb.ForkSessionRequest, session_id=self.id, at=at)
         reply = await self.client._call(self.client._stub.ForkSession, request)
         return AsyncSession(self.client, reply.session.session_id)
+
+    async def snapshot(self) -> str:
+        """Save this (idle) session as a checkpoint; returns its id once it is durable."""
+        request = wire.message(pb.SnapshotSessionRequest, session_id=self.id)
+        return (await self.client._call(self.client._stub.SnapshotSession, request)).snapshot.snapshot_id
 
     async def info(self) -> SessionInfo:
         request = wire.message(pb.GetSessionInfoRequest, session_id=self.id)

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kiln.errors import NotFoundError
-from kiln.results import GenerationResult, SessionInfo
+from kiln.results import GenerationResult, SessionInfo, SnapshotInfo
 from kiln.text import TextAssembler
 from kiln.v1 import rpc
 from kiln.v1 import runtime_pb2 as pb
@@ -63,6 +63,20 @@ class Client:
     def list_sessions(self) -> list[SessionInfo]:
         """This API key's live sessions, least recently used first."""
         return [wire.session_info(s) for s in self._call(self._stub.ListSessions, pb.ListSessionsRequest()).sessions]
+
+    def restore_session(self, snapshot_id: str) -> Session:
+        """A new session with a snapshot's history and K/V (FailedPreconditionError if it fails
+        verification: another model or KV format, a corrupt page)."""
+        request = wire.message(pb.RestoreSessionRequest, snapshot_id=snapshot_id)
+        return Session(self, (self._call(self._stub.RestoreSession, request)).session.session_id)
+
+    def list_snapshots(self) -> list[SnapshotInfo]:
+        """This API key's checkpoints, oldest first."""
+        reply = self._call(self._stub.ListSnapshots, pb.ListSnapshotsRequest())
+        return [wire.snapshot_info(s) for s in reply.snapshots]
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        self._call(self._stub.DeleteSnapshot, wire.message(pb.DeleteSnapshotRequest, snapshot_id=snapshot_id))
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text` by the server's tokenizer."""
@@ -170,6 +184,11 @@ class Session:
         """A new session sharing the first `at` tokens (None: all) of this history, and their K/V."""
         request = wire.message(pb.ForkSessionRequest, session_id=self.id, at=at)
         return Session(self.client, self.client._call(self.client._stub.ForkSession, request).session.session_id)
+
+    def snapshot(self) -> str:
+        """Save this (idle) session as a checkpoint; returns its id once it is durable."""
+        request = wire.message(pb.SnapshotSessionRequest, session_id=self.id)
+        return (self.client._call(self.client._stub.SnapshotSession, request)).snapshot.snapshot_id
 
     def info(self) -> SessionInfo:
         request = wire.message(pb.GetSessionInfoRequest, session_id=self.id)

@@ -14,7 +14,7 @@ from typing import TypeVar
 from google.protobuf.message import Message
 
 from kiln.errors import InvalidArgumentError
-from kiln.results import SessionInfo, Usage
+from kiln.results import SessionInfo, SnapshotInfo, Usage
 from kiln.v1 import runtime_pb2 as pb
 
 M = TypeVar("M", bound=Message)
@@ -143,6 +143,10 @@ def schema_text(schema: object) -> str | None:
 
 def session_info(reply: pb.SessionInfo) -> SessionInfo:
     return SessionInfo(**{f.name: getattr(reply, f.name) for f in fields(SessionInfo)})
+
+
+def snapshot_info(reply: pb.SnapshotInfo) -> SnapshotInfo:
+    return SnapshotInfo(**{f.name: getattr(reply, f.name) for f in fields(SnapshotInfo)})
 
 
 def usage(reply: pb.Usage) -> Usage:

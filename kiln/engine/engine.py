@@ -31,10 +31,17 @@ from kiln.engine.scheduler import ScheduledChunk, Scheduler
 from kiln.engine.sequence import Event, FinishEvent, Request, Sequence, TokenEvent
 from kiln.engine.speculative import NgramProposer, verify
 from kiln.engine.stats import EngineStats
-from kiln.errors import InvalidArgumentError, InvariantViolation, ResourceExhaustedError, UnavailableError
+from kiln.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    InvariantViolation,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from kiln.kv.cache import KVCache, PoolUsage
 from kiln.kv.codec import KVCodec
 from kiln.kv.format import KVFormat, dtype_name
+from kiln.kv.image import KVImage, PageKey
 from kiln.kv.layout import KVLayout
 from kiln.kv.pages import PageTable
 from kiln.kv.policy import KVPolicy
@@ -124,6 +131,14 @@ class Engine:
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token costs while every layer keeps it (sliding-window layers later release it)."""
         return self._cache.layout.bytes_per_token(self._cache.storage.data.element_size())
+
+    @property
+    def kv_format(self) -> KVFormat:
+        return self._cache.format
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self._cache.layout
 
     def kv_usage(self) -> PoolUsage:
         with self._lock:
@@ -253,6 +268,27 @@ class Engine:
                     tier_bytes[tiers.tier_of((g, seq.table.hashes[i]))] += tiers.codec.page_nbytes  # type: ignore[union-attr]
             page_bytes = self._cache.page_bytes
             return SequenceKV(seq.num_computed, pages, pages * page_bytes, seq.table.policy, tier_bytes, global_pages * page_bytes)
+
+    def capture_sequence(self, seq: Sequence, known: dict[PageKey, int]) -> KVImage:
+        """A copy of an idle session sequence's K/V, taken between steps (see KVCache.capture for
+        `known`). FailedPreconditionError while a request runs on it: its pages are being written."""
+        with self._lock:
+            if any(r.seq is seq for r in (*self._scheduler.waiting, *self._scheduler.running)):
+                raise FailedPreconditionError("a generation is running on this sequence")
+            return self._cache.capture(seq.table, seq.tokens, seq.num_computed, known)
+
+    def load_sequence(self, image: KVImage) -> Sequence:
+        """A session sequence over an image's tokens holding its K/V (checked by the caller against this
+        engine's format). If the pool cannot hold the pages now, the history alone: the next turn
+        recomputes the K/V, as after memory pressure."""
+        with self._lock:
+            table = self._cache.load(image)
+            computed = image.num_computed if table is not None else 0
+            if table is None:
+                table = PageTable.empty(self._cache.layout.num_groups, image.policy)
+            seq = Sequence(list(image.tokens), table, session=True, num_computed=computed)
+            self._scheduler.park(seq)
+            return seq
 
     def release_sequence(self, seq: Sequence) -> None:
         """The sequence's owner is done with it: pages go back now, or when its running request ends."""

@@ -23,6 +23,7 @@ import torch
 
 from kiln.errors import InvariantViolation
 from kiln.kv.format import KVFormat
+from kiln.kv.image import KVImage, PageKey
 from kiln.kv.layout import KVLayout
 from kiln.kv.pages import PageHash, PageTable, chain_hashes
 from kiln.kv.policy import KVPolicy
@@ -232,6 +233,47 @@ class KVCache:
         if chain_hashes(tokens, ps, self.salt(table.policy), previous, start, len(table.hashes)) != table.hashes[start:]:
             raise InvariantViolation("inv1", "page hashes do not match the token history")
         table.checked = len(table.hashes)
+
+    # ---- images (snapshots) -------------------------------------------------------------------------
+
+    def capture(self, table: PageTable, tokens: Sequence[int], num_computed: int, known: dict[PageKey, int]) -> KVImage:
+        """A copy of an idle sequence's K/V. `known` maps (group, index) to the pool page of a full page
+        the caller captured before: if the table still holds that page there, its bytes are unchanged
+        (a held full page is never written) and are not copied again. A tiered policy's (`restore`)
+        evicted pages live in the tiers, not the table: its image holds the history alone, and a restore
+        recomputes the K/V (exactly) on the next turn."""
+        if table.policy.tiered:
+            return KVImage(list(tokens), 0, table.policy, [[] for _ in table.pages], {})
+        full = num_computed // self.page_size
+        blocks = {}
+        for g, pages in enumerate(table.pages):
+            for i, page in enumerate(pages):
+                if page is not None and not (i < full and known.get((g, i)) == page):
+                    block = self.storage.page(page).to("cpu", copy=True)
+                    if i == full:  # the partial last page: nothing past the computed tokens leaves
+                        block[:, :, num_computed % self.page_size :] = 0
+                    blocks[(g, i)] = block
+        return KVImage(list(tokens), num_computed, table.policy, [list(pages) for pages in table.pages], blocks)
+
+    def load(self, image: KVImage) -> PageTable | None:
+        """A table holding an image's K/V in fresh pages, its full pages named for the prefix index like
+        computed ones. None, with nothing allocated, when the pool cannot hold them now."""
+        if len(image.blocks) > self.available():
+            return None
+        table = PageTable.empty(self.layout.num_groups, image.policy)
+        for g, pages in enumerate(image.pages):
+            for i, source in enumerate(pages):
+                page = None if source is None else self._allocate()
+                if page is not None:
+                    self.storage.page(page).copy_(image.blocks[(g, i)])
+                table.pages[g].append(page)
+        hashes = chain_hashes(image.tokens, self.page_size, self.salt(image.policy), end_page=image.full_pages(self.page_size))
+        for i, page_hash in enumerate(hashes):
+            for g, pages in enumerate(table.pages):
+                if pages[i] is not None:
+                    self._register(g, page_hash, pages[i])
+        table.hashes = hashes
+        return table
 
     # ---- pages --------------------------------------------------------------------------------------
 

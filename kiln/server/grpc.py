@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError, Message
 from kiln.engine.constraints import Constraint
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError, KilnError
-from kiln.results import GenerationResult, SessionInfo
+from kiln.results import GenerationResult, SessionInfo, SnapshotInfo
 from kiln.server.auth import ApiKeys
 from kiln.server.metrics import Metrics
 from kiln.server.service import MAX_REQUEST_BYTES, GenerateRequest, RuntimeService
@@ -169,6 +169,23 @@ class RuntimeServicer:
         health = self.service.health()
         return pb.HealthResponse(**{**health, "status": SERVING_STATUSES[health["status"]]})
 
+    @_unary
+    def SnapshotSession(self, request: pb.SnapshotSessionRequest, owner: str | None) -> pb.SnapshotSessionResponse:
+        return pb.SnapshotSessionResponse(snapshot=_snapshot_info(self.service.snapshot(owner, _session_id(request))))
+
+    @_unary
+    def RestoreSession(self, request: pb.RestoreSessionRequest, owner: str | None) -> pb.RestoreSessionResponse:
+        return pb.RestoreSessionResponse(session=_session_info(self.service.restore(owner, _snapshot_id(request))))
+
+    @_unary
+    def ListSnapshots(self, request: pb.ListSnapshotsRequest, owner: str | None) -> pb.ListSnapshotsResponse:
+        return pb.ListSnapshotsResponse(snapshots=[_snapshot_info(info) for info in self.service.list_snapshots(owner)])
+
+    @_unary
+    def DeleteSnapshot(self, request: pb.DeleteSnapshotRequest, owner: str | None) -> pb.DeleteSnapshotResponse:
+        self.service.delete_snapshot(owner, _snapshot_id(request))
+        return pb.DeleteSnapshotResponse()
+
     async def Generate(self, request: bytes, context: grpc.aio.ServicerContext) -> None:
         """Initial metadata once the generation is accepted, token chunks as they commit, one Finish.
         However the call ends (done, failed, cancelled by the client), the generation is stopped so
@@ -234,6 +251,12 @@ def _session_id(request: Message) -> str:
     return session_id
 
 
+def _snapshot_id(request: Message) -> str:
+    if not request.snapshot_id:
+        raise InvalidArgumentError("snapshot_id is required")
+    return request.snapshot_id
+
+
 def _optional(message: Message, field: str) -> object | None:
     """A proto3 `optional` field's value, or None when the caller left it unset."""
     return getattr(message, field) if message.HasField(field) else None
@@ -256,6 +279,10 @@ def _generate_request(request: pb.GenerateRequest) -> GenerateRequest:
 
 def _session_info(info: SessionInfo) -> pb.SessionInfo:
     return pb.SessionInfo(**asdict(info))
+
+
+def _snapshot_info(info: SnapshotInfo) -> pb.SnapshotInfo:
+    return pb.SnapshotInfo(**asdict(info))
 
 
 def _finish(result: GenerationResult) -> pb.Finish:

@@ -10,6 +10,7 @@ from prometheus_client.registry import Collector
 
 from kiln.engine.sequence import Request
 from kiln.llm import LLM
+from kiln.snapshots.persistence import SnapshotStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
@@ -73,6 +74,22 @@ class _EngineState(Collector):
         yield CounterMetricFamily("kiln_spec_verify_steps", "Decode rows that carried a draft", value=stats.spec_verify_steps)
         yield _labelled_counter("kiln_cache_invariant_violations", "Cache invariant violations by kind", "kind",
                                 violations, ("inv1", "inv2"))
+        persistence = self.llm.persistence  # zeros when persistence is off: every series always exists
+        yield from _snapshot_counters(persistence.stats if persistence is not None else SnapshotStats())
+
+
+def _snapshot_counters(stats: SnapshotStats):  # noqa: ANN202 - metric families
+    yield CounterMetricFamily("kiln_snapshot_bytes_written", "Bytes written to the snapshot store (compressed blobs "
+                              "and manifests)", value=stats.bytes_written)
+    yield CounterMetricFamily("kiln_snapshot_dedup_bytes", "Raw page bytes a save did not write because the store "
+                              "already held the page", value=stats.dedup_bytes)
+    yield _labelled_counter("kiln_snapshot_saves", "Snapshots saved by kind", "kind", stats.saves, ("checkpoint", "session"))
+    yield _labelled_counter("kiln_snapshot_save_failures", "Snapshot saves that failed, by error code", "code",
+                            stats.save_failures, ("RESOURCE_EXHAUSTED", "UNAVAILABLE"))
+    yield _labelled_counter("kiln_snapshot_restores", "Sessions restored from snapshots, by source", "source",
+                            stats.restores, ("checkpoint", "session"))
+    yield CounterMetricFamily("kiln_snapshot_verification_failures", "Restores refused by verification (corrupt or "
+                              "missing blob, another model or format)", value=stats.verification_failures)
 
 
 def _labelled_counter(name: str, doc: str, label: str, counts: dict[str, int], always: tuple[str, ...]):  # noqa: ANN202
@@ -96,6 +113,12 @@ class Metrics:
         self.ttft = Histogram("kiln_time_to_first_token_seconds", "Submission to first token, per generate",
                               buckets=SECONDS_BUCKETS, registry=self.registry)
         llm.engine.add_finish_observer(self._observe_generate)
+        self.snapshot_seconds = Histogram("kiln_snapshot_seconds", "Snapshot save (capture to durable) and restore "
+                                          "(read and verify) time", ["op"], buckets=SECONDS_BUCKETS, registry=self.registry)
+        for op in ("save", "restore"):
+            self.snapshot_seconds.labels(op)  # the series exist (empty) before the first save
+        if llm.persistence is not None:
+            llm.persistence.add_observer(lambda op, seconds: self.snapshot_seconds.labels(op).observe(seconds))
 
     def _observe_generate(self, request: Request, reason: str) -> None:
         self.prefill_tokens.observe(request.usage().prefilled_tokens)

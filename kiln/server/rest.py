@@ -11,6 +11,11 @@
                                          json_schema, regex, grammar constrains the generated text
     POST   /v1/sessions/{id}/fork        optional at                               -> the new session (201)
     DELETE /v1/sessions/{id}             close
+    POST   /v1/sessions/{id}/snapshot    save a checkpoint                         -> snapshot info (201)
+    GET    /v1/snapshots                 the caller's checkpoints
+    GET    /v1/snapshots/{id}            snapshot info
+    POST   /v1/snapshots/{id}/restore    a new session from it                     -> session info (201)
+    DELETE /v1/snapshots/{id}            delete
     POST   /v1/tokenize, /v1/detokenize
 
 Bodies whose fields all have defaults may be left out. Every session call passes the caller's
@@ -63,6 +68,11 @@ class SessionRoutes:
             ("/sessions/{session_id}/tokens", self.append, "POST", 200),
             ("/sessions/{session_id}/generate", self.generate, "POST", 200),
             ("/sessions/{session_id}/fork", self.fork, "POST", 201),
+            ("/sessions/{session_id}/snapshot", self.snapshot, "POST", 201),
+            ("/snapshots", self.list_snapshots, "GET", 200),
+            ("/snapshots/{snapshot_id}", self.snapshot_info, "GET", 200),
+            ("/snapshots/{snapshot_id}", self.delete_snapshot, "DELETE", 200),
+            ("/snapshots/{snapshot_id}/restore", self.restore, "POST", 201),
             ("/tokenize", self.tokenize, "POST", 200),
             ("/detokenize", self.detokenize, "POST", 200),
         ]
@@ -92,6 +102,22 @@ class SessionRoutes:
 
     def fork(self, session_id: str, owner: Owner, body: ForkBody = _EMPTY_FORK) -> dict:
         return session_json(self.service.fork(owner, session_id, body.at))
+
+    def snapshot(self, session_id: str, owner: Owner) -> dict:
+        return dataclasses.asdict(self.service.snapshot(owner, session_id))
+
+    def list_snapshots(self, owner: Owner) -> dict:
+        return {"object": "list", "data": [dataclasses.asdict(info) for info in self.service.list_snapshots(owner)]}
+
+    def snapshot_info(self, snapshot_id: str, owner: Owner) -> dict:
+        return dataclasses.asdict(self.service.snapshot_info(owner, snapshot_id))
+
+    def delete_snapshot(self, snapshot_id: str, owner: Owner) -> dict:
+        self.service.delete_snapshot(owner, snapshot_id)
+        return {"snapshot_id": snapshot_id, "deleted": True}
+
+    def restore(self, snapshot_id: str, owner: Owner) -> dict:
+        return session_json(self.service.restore(owner, snapshot_id))
 
     async def generate(self, session_id: str, owner: Owner, request: Request,
                        body: SessionGenerateBody = _EMPTY_GENERATE) -> Response:

@@ -14,7 +14,7 @@ from kiln.engine.sampler import SamplingParams
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError, KilnError
 from kiln.llm import LLM
-from kiln.results import SessionInfo
+from kiln.results import SessionInfo, SnapshotInfo
 
 MAX_REQUEST_BYTES = 4 << 20  # largest request body on both transports: gRPC's own default receive limit
 
@@ -127,6 +127,26 @@ class RuntimeService:
 
     def history(self, owner: str | None, session_id: str) -> list[int]:
         return self.sessions.tokens(session_id, owner)
+
+    # ---- snapshots ----------------------------------------------------------------------------------
+
+    def snapshot(self, owner: str | None, session_id: str) -> SnapshotInfo:
+        self._admit()
+        snapshots = self.llm.snapshots
+        return snapshots.info(snapshots.snapshot(session_id, owner), owner)
+
+    def restore(self, owner: str | None, snapshot_id: str) -> SessionInfo:
+        self._admit()
+        return self.sessions.info(self.llm.snapshots.restore(snapshot_id, owner), owner)
+
+    def list_snapshots(self, owner: str | None) -> list[SnapshotInfo]:
+        return self.llm.snapshots.list(owner)
+
+    def snapshot_info(self, owner: str | None, snapshot_id: str) -> SnapshotInfo:
+        return self.llm.snapshots.info(snapshot_id, owner)
+
+    def delete_snapshot(self, owner: str | None, snapshot_id: str) -> None:
+        self.llm.snapshots.delete(snapshot_id, owner)
 
     # ---- stateless ----------------------------------------------------------------------------------
 

@@ -62,10 +62,12 @@ def start_server(
     timeout: float = 240.0,
 ) -> ServerHandle:
     """Start `kiln serve` (model None = the embedded one; cache_dir None = the default converted-weight
-    cache) and wait for its ready line."""
+    cache) and wait for its ready line. Persistence is off unless `extra` names a snapshot store."""
     grpc_port, http_port = free_port(), free_port()
     command = [sys.executable, "-m", "kiln.cli", "serve", "--grpc-port", str(grpc_port),
                "--http-port", str(http_port), "--kv-budget-mb", "64", *extra]
+    if not any(arg.startswith("--snapshot") for arg in extra):  # never the real home's data directory
+        command.append("--no-persist")
     if model is not None:
         command += ["--model", model]
     for key in api_keys:
@@ -92,9 +94,16 @@ def start_server(
 
 
 @pytest.fixture(scope="session")
-def server_factory(tmp_path_factory) -> Iterator:
+def servers_root(tmp_path_factory) -> Path:
+    """The tiny model directories and the converted-weight cache every server of the run shares (the
+    first start in a fresh cache converts weights and builds kernels: a minute or more)."""
+    return tmp_path_factory.mktemp("servers")
+
+
+@pytest.fixture(scope="session")
+def server_factory(servers_root) -> Iterator:
     """start(arch="llama", api_keys=(), extra=()) -> ServerHandle; every server is stopped at the end."""
-    root = tmp_path_factory.mktemp("servers")
+    root = servers_root
     started: list[ServerHandle] = []
 
     def start(arch: str = "llama", api_keys: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> ServerHandle:

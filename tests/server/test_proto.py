@@ -29,7 +29,8 @@ def test_the_call_table_covers_every_method_of_the_proto():
 
     assert set(rpc.METHODS) == {
         "CreateSession", "AppendTokens", "Generate", "CloseSession", "GetSessionInfo", "ForkSession",
-        "ListSessions", "Tokenize", "Detokenize", "Health",
+        "ListSessions", "Tokenize", "Detokenize", "Health", "SnapshotSession", "RestoreSession", "ListSnapshots",
+        "DeleteSnapshot",
     }
     with grpc.insecure_channel("127.0.0.1:1") as channel:
         stub = rpc.stub(channel)

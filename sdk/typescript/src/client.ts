@@ -12,12 +12,17 @@ import {
   AppendTokensRequest,
   CloseSessionRequest,
   CreateSessionRequest,
+  DeleteSnapshotRequest,
   DetokenizeRequest,
   ForkSessionRequest,
   GetSessionInfoRequest,
   HealthRequest,
   ListSessionsRequest,
+  ListSnapshotsRequest,
+  RestoreSessionRequest,
   type SessionInfo,
+  SnapshotSessionRequest,
+  type SnapshotInfo,
   TokenizeRequest,
 } from "./gen/kiln/v1/runtime.js";
 import { Generation } from "./generation.js";
@@ -31,6 +36,7 @@ import {
   integer,
   type SamplingOptions,
   sessionOf,
+  snapshotOf,
   stopStrings,
   type TokenIds,
   tokenIds,
@@ -104,6 +110,27 @@ export class Client {
   async listSessions(options: CallOptions = {}): Promise<SessionInfo[]> {
     const reply = await this._transport.unary("listSessions", ListSessionsRequest.fromPartial({}), options);
     return reply.sessions.map((session) => ({ ...session }));
+  }
+
+  /**
+   * A new session with a snapshot's history and K/V. FailedPreconditionError if it fails verification
+   * (another model or KV format, a corrupt page); NotFoundError if it is unknown or another key's.
+   */
+  async restoreSession(snapshotId: string, options: CallOptions = {}): Promise<Session> {
+    const request = RestoreSessionRequest.fromPartial({ snapshotId: typed<string>("snapshotId", snapshotId, "string") });
+    return new Session(this, sessionOf(await this._transport.unary("restoreSession", request, options)).sessionId);
+  }
+
+  /** This API key's checkpoints, oldest first. */
+  async listSnapshots(options: CallOptions = {}): Promise<SnapshotInfo[]> {
+    const reply = await this._transport.unary("listSnapshots", ListSnapshotsRequest.fromPartial({}), options);
+    return reply.snapshots.map((snapshot) => ({ ...snapshot }));
+  }
+
+  /** Deletes a checkpoint; NotFoundError if it is unknown or another key's. */
+  async deleteSnapshot(snapshotId: string, options: CallOptions = {}): Promise<void> {
+    const request = DeleteSnapshotRequest.fromPartial({ snapshotId: typed<string>("snapshotId", snapshotId, "string") });
+    await this._transport.unary("deleteSnapshot", request, options);
   }
 
   /** Token ids of `text` by the server's tokenizer. */
@@ -202,6 +229,12 @@ export class Session {
   async fork(options: { at?: number } & CallOptions = {}): Promise<Session> {
     const request = ForkSessionRequest.fromPartial({ sessionId: this.id, at: integer("at", options.at) });
     return new Session(this.client, sessionOf(await this.client._transport.unary("forkSession", request, options)).sessionId);
+  }
+
+  /** Saves this (idle) session as a checkpoint; resolves to its id once it is durable. */
+  async snapshot(options: CallOptions = {}): Promise<string> {
+    const request = SnapshotSessionRequest.fromPartial({ sessionId: this.id });
+    return snapshotOf(await this.client._transport.unary("snapshotSession", request, options)).snapshotId;
   }
 
   /** Lengths, residency and the last generate's reuse. */

@@ -15,7 +15,7 @@ export {
   UnauthenticatedError,
   UnavailableError,
 } from "./errors.js";
-export type { SessionInfo, Usage } from "./gen/kiln/v1/runtime.js";
+export type { SessionInfo, SnapshotInfo, Usage } from "./gen/kiln/v1/runtime.js";
 export { Generation, type GenerationResult } from "./generation.js";
 export { TextAssembler, TextGeneration } from "./text.js";
 export type { Tokenizer, TokenizerOption } from "./tokenizer.js";

@@ -13,6 +13,7 @@ import {
   type HealthResponse,
   ServingStatus,
   type SessionInfo,
+  type SnapshotInfo,
 } from "./gen/kiln/v1/runtime.js";
 
 /** Token ids: any iterable of integers, e.g. `number[]`, `Uint32Array` or `Int32Array`. */
@@ -161,6 +162,11 @@ function schemaText(schema: unknown): string | undefined {
 export function sessionOf(reply: { session?: SessionInfo | undefined }): SessionInfo {
   if (reply.session === undefined) throw new KilnError("the server's reply carries no session");
   return { ...reply.session };
+}
+
+export function snapshotOf(reply: { snapshot?: SnapshotInfo | undefined }): SnapshotInfo {
+  if (reply.snapshot === undefined) throw new KilnError("the server's reply carries no snapshot");
+  return { ...reply.snapshot };
 }
 
 export function finishReason(reason: FinishReason): FinishReasonName {

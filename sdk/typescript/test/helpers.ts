@@ -57,6 +57,7 @@ export class KilnServe implements ServerInfo {
     const [grpcPort, httpPort] = [await freePort(), await freePort()];
     const args = ["-m", "kiln.cli", "serve", "--model", model, "--grpc-port", `${grpcPort}`, "--http-port",
       `${httpPort}`, "--kv-budget-mb", "64", ...apiKeys.flatMap((key) => ["--api-key", key]), ...extra];
+    if (!extra.some((arg) => arg.startsWith("--snapshot"))) args.push("--no-persist"); // never the real home's data dir
     const env: NodeJS.ProcessEnv = { ...process.env, KILN_CACHE_DIR: cacheDir };
     delete env.KILN_API_KEY;
     const child = spawn(PYTHON, args, { cwd: ROOT, env, stdio: ["ignore", "ignore", "pipe"] });

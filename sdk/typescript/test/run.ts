@@ -1,6 +1,6 @@
 /**
  * `npm test`: builds the tiny model of the Python server tests, starts two `kiln serve` on it (one open,
- * one with two API keys), runs the test files with node's test runner against them (they find the servers
+ * one with two API keys; each persists to its own snapshot directory), runs the test files with node's test runner against them (they find the servers
  * in KILN_TEST_SERVERS), and stops the servers whatever happens. Arguments pick test files by name
  * (`npm test -- auth cancel`); none runs them all.
  */
@@ -34,7 +34,8 @@ async function main(): Promise<number> {
     const started = performance.now();
     const model = tinyModel(scratch);
     const cache = join(scratch, "cache");
-    servers.push(await KilnServe.spawn(model, cache), await KilnServe.spawn(model, cache, API_KEYS));
+    const persist = (name: string): string[] => ["--snapshot-dir", join(scratch, `snapshots-${name}`)];
+    servers.push(await KilnServe.spawn(model, cache, [], persist("open")), await KilnServe.spawn(model, cache, API_KEYS, persist("keyed")));
     const [open, keyed] = await Promise.all(servers.map((server) => server.ready()));
     console.log(`# kiln serve x2 ready in ${((performance.now() - started) / 1000).toFixed(1)} s`);
     const shared: SharedServers = { open: open!, keyed: keyed! };

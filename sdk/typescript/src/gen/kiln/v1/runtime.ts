@@ -333,6 +333,56 @@ export interface HealthResponse {
   kvPagesFree: number;
 }
 
+/** A checkpoint of a session. */
+export interface SnapshotInfo {
+  /** Its id (URL-safe characters), for RestoreSession and DeleteSnapshot. */
+  snapshotId: string;
+  /** The session it was taken of. */
+  sessionId: string;
+  /** Length of the history it holds. */
+  historyTokens: number;
+  /** Of those, tokens whose K/V it holds (a restored session recomputes only the rest). */
+  kvTokens: number;
+  /** KV pages it references (pages shared with other snapshots are stored once). */
+  pages: number;
+  /** When it was taken, Unix seconds. */
+  createdAt: number;
+}
+
+export interface SnapshotSessionRequest {
+  /** The session to save (required). It must not have a Generate in flight. */
+  sessionId: string;
+}
+
+export interface SnapshotSessionResponse {
+  snapshot: SnapshotInfo | undefined;
+}
+
+export interface RestoreSessionRequest {
+  /** The snapshot to restore (required). */
+  snapshotId: string;
+}
+
+export interface RestoreSessionResponse {
+  /** The new session. */
+  session: SessionInfo | undefined;
+}
+
+export interface ListSnapshotsRequest {
+}
+
+export interface ListSnapshotsResponse {
+  snapshots: SnapshotInfo[];
+}
+
+export interface DeleteSnapshotRequest {
+  /** The snapshot to delete (required). */
+  snapshotId: string;
+}
+
+export interface DeleteSnapshotResponse {
+}
+
 function createBaseSessionInfo(): SessionInfo {
   return {
     sessionId: "",
@@ -2404,6 +2454,541 @@ export const HealthResponse: MessageFns<HealthResponse> = {
   },
 };
 
+function createBaseSnapshotInfo(): SnapshotInfo {
+  return { snapshotId: "", sessionId: "", historyTokens: 0, kvTokens: 0, pages: 0, createdAt: 0 };
+}
+
+export const SnapshotInfo: MessageFns<SnapshotInfo> = {
+  encode(message: SnapshotInfo, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.snapshotId !== "") {
+      writer.uint32(10).string(message.snapshotId);
+    }
+    if (message.sessionId !== "") {
+      writer.uint32(18).string(message.sessionId);
+    }
+    if (message.historyTokens !== 0) {
+      writer.uint32(24).uint32(message.historyTokens);
+    }
+    if (message.kvTokens !== 0) {
+      writer.uint32(32).uint32(message.kvTokens);
+    }
+    if (message.pages !== 0) {
+      writer.uint32(40).uint32(message.pages);
+    }
+    if (message.createdAt !== 0) {
+      writer.uint32(49).double(message.createdAt);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): SnapshotInfo {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseSnapshotInfo();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.snapshotId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.sessionId = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.historyTokens = reader.uint32();
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.kvTokens = reader.uint32();
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.pages = reader.uint32();
+            continue;
+          }
+          case 6: {
+            if (tag !== 49) {
+              break;
+            }
+
+            message.createdAt = reader.double();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<SnapshotInfo>, I>>(base?: I): SnapshotInfo {
+    return SnapshotInfo.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<SnapshotInfo>, I>>(object: I): SnapshotInfo {
+    const message = createBaseSnapshotInfo();
+    message.snapshotId = object.snapshotId ?? "";
+    message.sessionId = object.sessionId ?? "";
+    message.historyTokens = object.historyTokens ?? 0;
+    message.kvTokens = object.kvTokens ?? 0;
+    message.pages = object.pages ?? 0;
+    message.createdAt = object.createdAt ?? 0;
+    return message;
+  },
+};
+
+function createBaseSnapshotSessionRequest(): SnapshotSessionRequest {
+  return { sessionId: "" };
+}
+
+export const SnapshotSessionRequest: MessageFns<SnapshotSessionRequest> = {
+  encode(message: SnapshotSessionRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.sessionId !== "") {
+      writer.uint32(10).string(message.sessionId);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): SnapshotSessionRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseSnapshotSessionRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.sessionId = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<SnapshotSessionRequest>, I>>(base?: I): SnapshotSessionRequest {
+    return SnapshotSessionRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<SnapshotSessionRequest>, I>>(object: I): SnapshotSessionRequest {
+    const message = createBaseSnapshotSessionRequest();
+    message.sessionId = object.sessionId ?? "";
+    return message;
+  },
+};
+
+function createBaseSnapshotSessionResponse(): SnapshotSessionResponse {
+  return { snapshot: undefined };
+}
+
+export const SnapshotSessionResponse: MessageFns<SnapshotSessionResponse> = {
+  encode(message: SnapshotSessionResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.snapshot !== undefined) {
+      SnapshotInfo.encode(message.snapshot, writer.uint32(10).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): SnapshotSessionResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseSnapshotSessionResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.snapshot = SnapshotInfo.decode(reader, reader.uint32());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<SnapshotSessionResponse>, I>>(base?: I): SnapshotSessionResponse {
+    return SnapshotSessionResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<SnapshotSessionResponse>, I>>(object: I): SnapshotSessionResponse {
+    const message = createBaseSnapshotSessionResponse();
+    message.snapshot = (object.snapshot !== undefined && object.snapshot !== null)
+      ? SnapshotInfo.fromPartial(object.snapshot)
+      : undefined;
+    return message;
+  },
+};
+
+function createBaseRestoreSessionRequest(): RestoreSessionRequest {
+  return { snapshotId: "" };
+}
+
+export const RestoreSessionRequest: MessageFns<RestoreSessionRequest> = {
+  encode(message: RestoreSessionRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.snapshotId !== "") {
+      writer.uint32(10).string(message.snapshotId);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): RestoreSessionRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseRestoreSessionRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.snapshotId = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<RestoreSessionRequest>, I>>(base?: I): RestoreSessionRequest {
+    return RestoreSessionRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<RestoreSessionRequest>, I>>(object: I): RestoreSessionRequest {
+    const message = createBaseRestoreSessionRequest();
+    message.snapshotId = object.snapshotId ?? "";
+    return message;
+  },
+};
+
+function createBaseRestoreSessionResponse(): RestoreSessionResponse {
+  return { session: undefined };
+}
+
+export const RestoreSessionResponse: MessageFns<RestoreSessionResponse> = {
+  encode(message: RestoreSessionResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.session !== undefined) {
+      SessionInfo.encode(message.session, writer.uint32(10).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): RestoreSessionResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseRestoreSessionResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.session = SessionInfo.decode(reader, reader.uint32());
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<RestoreSessionResponse>, I>>(base?: I): RestoreSessionResponse {
+    return RestoreSessionResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<RestoreSessionResponse>, I>>(object: I): RestoreSessionResponse {
+    const message = createBaseRestoreSessionResponse();
+    message.session = (object.session !== undefined && object.session !== null)
+      ? SessionInfo.fromPartial(object.session)
+      : undefined;
+    return message;
+  },
+};
+
+function createBaseListSnapshotsRequest(): ListSnapshotsRequest {
+  return {};
+}
+
+export const ListSnapshotsRequest: MessageFns<ListSnapshotsRequest> = {
+  encode(_: ListSnapshotsRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ListSnapshotsRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseListSnapshotsRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<ListSnapshotsRequest>, I>>(base?: I): ListSnapshotsRequest {
+    return ListSnapshotsRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ListSnapshotsRequest>, I>>(_: I): ListSnapshotsRequest {
+    const message = createBaseListSnapshotsRequest();
+    return message;
+  },
+};
+
+function createBaseListSnapshotsResponse(): ListSnapshotsResponse {
+  return { snapshots: [] };
+}
+
+export const ListSnapshotsResponse: MessageFns<ListSnapshotsResponse> = {
+  encode(message: ListSnapshotsResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    for (const v of message.snapshots) {
+      SnapshotInfo.encode(v!, writer.uint32(10).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ListSnapshotsResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseListSnapshotsResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.snapshots.push(SnapshotInfo.decode(reader, reader.uint32()));
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<ListSnapshotsResponse>, I>>(base?: I): ListSnapshotsResponse {
+    return ListSnapshotsResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<ListSnapshotsResponse>, I>>(object: I): ListSnapshotsResponse {
+    const message = createBaseListSnapshotsResponse();
+    message.snapshots = object.snapshots?.map((e) => SnapshotInfo.fromPartial(e)) || [];
+    return message;
+  },
+};
+
+function createBaseDeleteSnapshotRequest(): DeleteSnapshotRequest {
+  return { snapshotId: "" };
+}
+
+export const DeleteSnapshotRequest: MessageFns<DeleteSnapshotRequest> = {
+  encode(message: DeleteSnapshotRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.snapshotId !== "") {
+      writer.uint32(10).string(message.snapshotId);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): DeleteSnapshotRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseDeleteSnapshotRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.snapshotId = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<DeleteSnapshotRequest>, I>>(base?: I): DeleteSnapshotRequest {
+    return DeleteSnapshotRequest.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<DeleteSnapshotRequest>, I>>(object: I): DeleteSnapshotRequest {
+    const message = createBaseDeleteSnapshotRequest();
+    message.snapshotId = object.snapshotId ?? "";
+    return message;
+  },
+};
+
+function createBaseDeleteSnapshotResponse(): DeleteSnapshotResponse {
+  return {};
+}
+
+export const DeleteSnapshotResponse: MessageFns<DeleteSnapshotResponse> = {
+  encode(_: DeleteSnapshotResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): DeleteSnapshotResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseDeleteSnapshotResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create<I extends Exact<DeepPartial<DeleteSnapshotResponse>, I>>(base?: I): DeleteSnapshotResponse {
+    return DeleteSnapshotResponse.fromPartial(base ?? ({} as any));
+  },
+  fromPartial<I extends Exact<DeepPartial<DeleteSnapshotResponse>, I>>(_: I): DeleteSnapshotResponse {
+    const message = createBaseDeleteSnapshotResponse();
+    return message;
+  },
+};
+
 /**
  * The session-native runtime: sessions hold token histories whose K/V stays cached between turns,
  * so each Generate computes only the tokens appended since the last one.
@@ -2526,6 +3111,63 @@ export const RuntimeService = {
     responseSerialize: (value: HealthResponse): Buffer => Buffer.from(HealthResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): HealthResponse => HealthResponse.decode(value),
   },
+  /**
+   * Snapshots (servers with persistence on; otherwise FAILED_PRECONDITION). A snapshot is a session's
+   * history and K/V as content-addressed pages: saving writes only pages the store lacks. Snapshots
+   * belong to the key that made them (another key's are NOT_FOUND) and, with a shared store (Redis),
+   * can be restored on any server of the same model and KV format.
+   * Saves an idle session as a checkpoint; answers once it is durable. The session is unchanged.
+   * A full or unreachable store is RESOURCE_EXHAUSTED / UNAVAILABLE.
+   */
+  snapshotSession: {
+    path: "/kiln.v1.Runtime/SnapshotSession" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: SnapshotSessionRequest): Buffer =>
+      Buffer.from(SnapshotSessionRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): SnapshotSessionRequest => SnapshotSessionRequest.decode(value),
+    responseSerialize: (value: SnapshotSessionResponse): Buffer =>
+      Buffer.from(SnapshotSessionResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): SnapshotSessionResponse => SnapshotSessionResponse.decode(value),
+  },
+  /**
+   * Creates a new session (new id) with a snapshot's history and K/V, after verifying every page's
+   * digest and the model, KV format and shapes: FAILED_PRECONDITION (nothing loaded) on any mismatch.
+   */
+  restoreSession: {
+    path: "/kiln.v1.Runtime/RestoreSession" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: RestoreSessionRequest): Buffer =>
+      Buffer.from(RestoreSessionRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): RestoreSessionRequest => RestoreSessionRequest.decode(value),
+    responseSerialize: (value: RestoreSessionResponse): Buffer =>
+      Buffer.from(RestoreSessionResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): RestoreSessionResponse => RestoreSessionResponse.decode(value),
+  },
+  /** Lists the caller's checkpoints, oldest first. */
+  listSnapshots: {
+    path: "/kiln.v1.Runtime/ListSnapshots" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: ListSnapshotsRequest): Buffer => Buffer.from(ListSnapshotsRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): ListSnapshotsRequest => ListSnapshotsRequest.decode(value),
+    responseSerialize: (value: ListSnapshotsResponse): Buffer =>
+      Buffer.from(ListSnapshotsResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): ListSnapshotsResponse => ListSnapshotsResponse.decode(value),
+  },
+  /** Deletes a checkpoint (its pages go at the next garbage collection unless others share them). */
+  deleteSnapshot: {
+    path: "/kiln.v1.Runtime/DeleteSnapshot" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: DeleteSnapshotRequest): Buffer =>
+      Buffer.from(DeleteSnapshotRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): DeleteSnapshotRequest => DeleteSnapshotRequest.decode(value),
+    responseSerialize: (value: DeleteSnapshotResponse): Buffer =>
+      Buffer.from(DeleteSnapshotResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): DeleteSnapshotResponse => DeleteSnapshotResponse.decode(value),
+  },
 } as const;
 
 export interface RuntimeServer extends UntypedServiceImplementation {
@@ -2559,6 +3201,24 @@ export interface RuntimeServer extends UntypedServiceImplementation {
   detokenize: handleUnaryCall<DetokenizeRequest, DetokenizeResponse>;
   /** What is served and how full the KV cache is. Requires a key like every other call. */
   health: handleUnaryCall<HealthRequest, HealthResponse>;
+  /**
+   * Snapshots (servers with persistence on; otherwise FAILED_PRECONDITION). A snapshot is a session's
+   * history and K/V as content-addressed pages: saving writes only pages the store lacks. Snapshots
+   * belong to the key that made them (another key's are NOT_FOUND) and, with a shared store (Redis),
+   * can be restored on any server of the same model and KV format.
+   * Saves an idle session as a checkpoint; answers once it is durable. The session is unchanged.
+   * A full or unreachable store is RESOURCE_EXHAUSTED / UNAVAILABLE.
+   */
+  snapshotSession: handleUnaryCall<SnapshotSessionRequest, SnapshotSessionResponse>;
+  /**
+   * Creates a new session (new id) with a snapshot's history and K/V, after verifying every page's
+   * digest and the model, KV format and shapes: FAILED_PRECONDITION (nothing loaded) on any mismatch.
+   */
+  restoreSession: handleUnaryCall<RestoreSessionRequest, RestoreSessionResponse>;
+  /** Lists the caller's checkpoints, oldest first. */
+  listSnapshots: handleUnaryCall<ListSnapshotsRequest, ListSnapshotsResponse>;
+  /** Deletes a checkpoint (its pages go at the next garbage collection unless others share them). */
+  deleteSnapshot: handleUnaryCall<DeleteSnapshotRequest, DeleteSnapshotResponse>;
 }
 
 export interface RuntimeClient extends Client {
@@ -2722,6 +3382,80 @@ export interface RuntimeClient extends Client {
     metadata: Metadata,
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: HealthResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * Snapshots (servers with persistence on; otherwise FAILED_PRECONDITION). A snapshot is a session's
+   * history and K/V as content-addressed pages: saving writes only pages the store lacks. Snapshots
+   * belong to the key that made them (another key's are NOT_FOUND) and, with a shared store (Redis),
+   * can be restored on any server of the same model and KV format.
+   * Saves an idle session as a checkpoint; answers once it is durable. The session is unchanged.
+   * A full or unreachable store is RESOURCE_EXHAUSTED / UNAVAILABLE.
+   */
+  snapshotSession(
+    request: SnapshotSessionRequest,
+    callback: (error: ServiceError | null, response: SnapshotSessionResponse) => void,
+  ): ClientUnaryCall;
+  snapshotSession(
+    request: SnapshotSessionRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: SnapshotSessionResponse) => void,
+  ): ClientUnaryCall;
+  snapshotSession(
+    request: SnapshotSessionRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: SnapshotSessionResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * Creates a new session (new id) with a snapshot's history and K/V, after verifying every page's
+   * digest and the model, KV format and shapes: FAILED_PRECONDITION (nothing loaded) on any mismatch.
+   */
+  restoreSession(
+    request: RestoreSessionRequest,
+    callback: (error: ServiceError | null, response: RestoreSessionResponse) => void,
+  ): ClientUnaryCall;
+  restoreSession(
+    request: RestoreSessionRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: RestoreSessionResponse) => void,
+  ): ClientUnaryCall;
+  restoreSession(
+    request: RestoreSessionRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: RestoreSessionResponse) => void,
+  ): ClientUnaryCall;
+  /** Lists the caller's checkpoints, oldest first. */
+  listSnapshots(
+    request: ListSnapshotsRequest,
+    callback: (error: ServiceError | null, response: ListSnapshotsResponse) => void,
+  ): ClientUnaryCall;
+  listSnapshots(
+    request: ListSnapshotsRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: ListSnapshotsResponse) => void,
+  ): ClientUnaryCall;
+  listSnapshots(
+    request: ListSnapshotsRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: ListSnapshotsResponse) => void,
+  ): ClientUnaryCall;
+  /** Deletes a checkpoint (its pages go at the next garbage collection unless others share them). */
+  deleteSnapshot(
+    request: DeleteSnapshotRequest,
+    callback: (error: ServiceError | null, response: DeleteSnapshotResponse) => void,
+  ): ClientUnaryCall;
+  deleteSnapshot(
+    request: DeleteSnapshotRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: DeleteSnapshotResponse) => void,
+  ): ClientUnaryCall;
+  deleteSnapshot(
+    request: DeleteSnapshotRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: DeleteSnapshotResponse) => void,
   ): ClientUnaryCall;
 }
 

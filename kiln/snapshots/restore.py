@@ -1,0 +1,104 @@
+"""Restore: a manifest and its blobs back into a KVImage, verified completely before anything is loaded.
+
+Checked, each a typed error naming what differs: format version and codec (the manifest parser), the
+KV format fingerprint and every shape field (another model, weight format, KV dtype, page size or
+layout is FailedPreconditionError), the KV groups, the policy, token ids against this vocabulary and
+context (InvalidArgumentError), page counts against the computed tokens, every page the next step
+reads being present, and each blob's size and SHA-256 after decompression.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+
+from kiln.engine.engine import Engine
+from kiln.errors import FailedPreconditionError, InvalidArgumentError
+from kiln.kv.image import KVImage
+from kiln.kv.policy import KVPolicy
+from kiln.snapshots import blobs
+from kiln.snapshots.manifest import CODEC, KVShape, Manifest
+from kiln.snapshots.store import SnapshotStore
+
+
+def engine_shape(engine: Engine) -> KVShape:
+    kv_format, layout = engine.kv_format, engine.kv_layout
+    return KVShape(
+        fingerprint=kv_format.fingerprint().hex(), model=kv_format.model_fingerprint, weights=kv_format.weights,
+        dtype=kv_format.kv_dtype, encoding=kv_format.encoding, layout_version=kv_format.layout_version,
+        page_size=layout.page_size, slots=layout.slots, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+        page_bytes=engine.kv_page_bytes,
+    )
+
+
+def engine_groups(engine: Engine) -> list[tuple[tuple[int, ...], int | None]]:
+    return [(group.layers, group.window) for group in engine.kv_layout.groups]
+
+
+def check_compatible(manifest: Manifest, engine: Engine) -> KVPolicy:
+    """Everything short of reading blobs; returns the snapshot's policy."""
+    where = manifest.snapshot_id
+    if manifest.codec != CODEC:
+        raise FailedPreconditionError(f"snapshot {where} uses codec {manifest.codec!r}; this Kiln reads {CODEC!r}")
+    mine = asdict(engine_shape(engine))
+    theirs = asdict(manifest.shape)
+    differences = [f"{key} {theirs[key]!r} (this server: {mine[key]!r})" for key in mine if theirs[key] != mine[key]]
+    if differences:
+        raise FailedPreconditionError(
+            f"snapshot {where} was taken by another model or KV format: " + "; ".join(differences[:4])
+        )
+    if [(tuple(g.layers), g.window) for g in manifest.groups] != engine_groups(engine):
+        raise FailedPreconditionError(f"snapshot {where} has KV groups that differ from this model's")
+    policy = _policy(manifest, engine)
+    tokens = list(manifest.token_ids)
+    engine.validate_tokens(tokens, f"token ids of snapshot {where}")
+    if len(tokens) >= engine.max_model_len:
+        raise InvalidArgumentError(f"snapshot {where} holds {len(tokens)} tokens; this server's context is {engine.max_model_len}")
+    _check_pages(manifest, policy)
+    return policy
+
+
+def _policy(manifest: Manifest, engine: Engine) -> KVPolicy:
+    name, _, sizes = manifest.policy.partition(":")
+    sink, _, window = sizes.partition(":")
+    try:
+        return KVPolicy.create(name, int(sink or 0), int(window or 0), manifest.shape.page_size, engine.max_model_len)
+    except (ValueError, InvalidArgumentError) as error:
+        raise FailedPreconditionError(f"snapshot {manifest.snapshot_id} uses KV policy {manifest.policy!r}, which this server cannot take: {error}") from error
+
+
+def _check_pages(manifest: Manifest, policy: KVPolicy) -> None:
+    page_size = manifest.shape.page_size
+    count = -(-manifest.num_computed // page_size)
+    for index, group in enumerate(manifest.groups):
+        if len(group.pages) != count:
+            raise FailedPreconditionError(
+                f"snapshot {manifest.snapshot_id}: group {index} lists {len(group.pages)} pages for "
+                f"{manifest.num_computed} computed tokens (expected {count})"
+            )
+        for span in policy.readable(group.window, count, manifest.num_computed, page_size):
+            if any(group.pages[i] is None for i in span):
+                raise FailedPreconditionError(
+                    f"snapshot {manifest.snapshot_id}: group {index} lacks pages its next step must read"
+                )
+
+
+def fetch(manifest: Manifest, engine: Engine, store: SnapshotStore) -> KVImage:
+    """The verified image of a manifest: raises before anything is loaded if any check fails."""
+    policy = check_compatible(manifest, engine)
+    shape = manifest.shape
+    dtype = getattr(torch, shape.dtype)
+    block_shape = (2, shape.slots, shape.page_size, shape.num_kv_heads, shape.head_dim)
+    pages: dict[str, torch.Tensor] = {}
+    for digest in sorted(manifest.digests()):
+        blob = store.get_blob(digest)
+        if blob is None:
+            raise FailedPreconditionError(f"snapshot {manifest.snapshot_id}: page blob {digest[:16]} is missing")
+        raw = blobs.decompress(blob, digest, shape.page_bytes)
+        pages[digest] = torch.frombuffer(bytearray(raw), dtype=dtype).view(block_shape)
+    return KVImage(
+        list(manifest.token_ids), manifest.num_computed, policy,
+        [[None if d is None else 0 for d in group.pages] for group in manifest.groups],
+        {(g, i): pages[d] for g, group in enumerate(manifest.groups) for i, d in enumerate(group.pages) if d is not None},
+    )

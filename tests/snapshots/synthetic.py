@@ -1,0 +1,27 @@
+"""Synthetic snapshots (no model): manifests over made-up pages, for store tests and the crash writer.
+Imports only kiln.snapshots, so a writer subprocess starts in a fraction of a second."""
+
+from __future__ import annotations
+
+from kiln.snapshots import blobs
+from kiln.snapshots.manifest import GroupPages, KVShape, Manifest
+
+PAGE_BYTES = 256
+
+
+def shape() -> KVShape:
+    return KVShape(fingerprint="ab" * 32, model="m", weights="float32/exact", dtype="float32", encoding="raw",
+                   layout_version=1, page_size=16, slots=1, num_kv_heads=1, head_dim=2, page_bytes=PAGE_BYTES)
+
+
+def synthetic(snapshot_id: str, pages: list[bytes], owner: str = "sha256:0") -> tuple[Manifest, dict[str, bytes]]:
+    """A manifest over raw pages, and their compressed blobs."""
+    digests = [blobs.digest(page) for page in pages]
+    manifest = Manifest(snapshot_id=snapshot_id, kind="checkpoint", owner=owner, session_id="s", created_at=1.0,
+                        ttl_s=60.0, policy="full", shape=shape(), token_ids=tuple(range(16 * len(pages))),
+                        num_computed=16 * len(pages), groups=(GroupPages((0,), None, tuple(digests)),))
+    return manifest, {d: blobs.compress(page) for d, page in zip(digests, pages, strict=True)}
+
+
+def page(seed: int) -> bytes:
+    return bytes((seed * 31 + i) % 251 for i in range(PAGE_BYTES))
