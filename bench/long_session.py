@@ -434,6 +434,31 @@ def wire_overhead(wire: list[float | None], local: list[float | None], gen_token
     return {"ms_per_token_median": 1000 * median(extra) if extra else None, "turns": len(extra)}
 
 
+# The performance goal: a Kiln turn costs at most these multiples of llama.cpp's (window medians).
+GOAL_OVER_LLAMACPP = {"early": 1.0, "late": 0.6}
+
+
+def versus_llamacpp(results: dict[str, Any]) -> dict[str, Any]:
+    """Each in-process Kiln system's early and late window medians over llama.cpp's, with the goal."""
+    peer = results.get("llamacpp", {})
+    if peer.get("status") != "ok":
+        return {}
+    out: dict[str, Any] = {}
+    for name in ("kiln", "kiln-nospec"):
+        if results.get(name, {}).get("status") != "ok":
+            continue
+        ratios = {
+            window: common.ratio(results[name]["summary"][f"{window}_latency_s"]["median"], peer["summary"][f"{window}_latency_s"]["median"])
+            for window in GOAL_OVER_LLAMACPP
+        }
+        out[name] = {
+            **{f"{window}_over_llamacpp": r for window, r in ratios.items()},
+            "goal": GOAL_OVER_LLAMACPP,
+            "met": all(r is not None and r <= GOAL_OVER_LLAMACPP[w] for w, r in ratios.items()),
+        }
+    return out
+
+
 def report(args: argparse.Namespace, machine: dict[str, Any], results: dict[str, Any]) -> None:
     kiln = results.get("kiln", {})
     kiln_ratio = kiln.get("summary", {}).get("late_over_early")
@@ -454,6 +479,7 @@ def report(args: argparse.Namespace, machine: dict[str, Any], results: dict[str,
             "kiln_late_over_early": kiln_ratio,
             "met": None if kiln_ratio is None else kiln_ratio <= TARGET_RATIO,
         },
+        "versus_llamacpp": versus_llamacpp(results),
         "systems": results,
     }
     path = common.write_results(args.name, payload)
@@ -472,6 +498,8 @@ def report(args: argparse.Namespace, machine: dict[str, Any], results: dict[str,
         if r["status"] == "ok":
             s = r["summary"]
             print(f"{name}: early median {s['early_latency_s']['median']}, late median {s['late_latency_s']['median']}, ratio {s['late_over_early']}")
+    for name, versus in payload["versus_llamacpp"].items():
+        print(f"{name} over llamacpp: {versus}")
 
 
 if __name__ == "__main__":

@@ -232,14 +232,13 @@ class Persistence:
                 if self._stopping:
                     return
                 session_id, job = self._pending.popitem(last=False)
-                if isinstance(job, SessionCapture):  # an evicted session: `load` must find it in flight
-                    self._inflight = session_id
+                # In flight from here: `load` of an evicted session waits for it, `flush` too, and a
+                # close meanwhile (`forget`) deletes the snapshot after the save instead of before it.
+                self._inflight = session_id
             try:
                 epoch = self._epoch if job is _MARK else None
                 capture = job if epoch is None else self.sessions.capture_idle(session_id, self.known(session_id))
                 if capture is not None:
-                    with self._cond:
-                        self._inflight = session_id
                     self._save(capture, session_snapshot_id(session_id), KIND_SESSION, epoch)
             except KilnError as error:
                 logger.warning("saving session %s failed: %s", session_id, error)
