@@ -172,14 +172,12 @@ class Attention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv_proj(x).view(n, -1, self.head_dim)
         qk, v = qkv.split([self.heads + self.kv_heads, self.kv_heads], dim=1)
-        if self.fused:
+        if self.fused:  # reads q and k out of qkv itself
             norm = self.qk_norm
             q, k = kernels().qk_norm_rope(qkv, None if norm is None else norm.weight, norm.eps if norm else 0.0,
                                           float(norm is not None and norm.offset), cos.view(n, -1), sin.view(n, -1), self.heads)
         else:
-            if self.qk_norm is not None:
-                qk = self.qk_norm(qk)
-            q, k = apply_rotary(qk, cos, sin).split([self.heads, self.kv_heads], dim=1)
+            q, k = apply_rotary(qk if self.qk_norm is None else self.qk_norm(qk), cos, sin).split([self.heads, self.kv_heads], dim=1)
         out = paged_attention(q, k, v, self.layer, batch, self.scale)
         return self.o_proj(out.reshape(n, self.heads * self.head_dim))
 

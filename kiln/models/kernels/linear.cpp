@@ -46,16 +46,13 @@ inline float horizontal_sum(__m256 v) {
 
 // Loads 8 consecutive float32 weights of row `n` starting at column k (k a multiple of 8).
 struct F32Rows {
-  static constexpr int64_t kLineValues = 16;  // values per 64-byte cache line
   const float* w;
   int64_t K;
   inline __m256 load(int64_t n, int64_t k) const { return _mm256_loadu_ps(w + n * K + k); }
-  inline void prefetch(int64_t n, int64_t k) const { _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k), _MM_HINT_T0); }
   inline float finish(int64_t, float acc) const { return acc; }
 };
 
 struct Int8Rows {
-  static constexpr int64_t kLineValues = 64;
   const int8_t* w;
   const float* scale;
   int64_t K;
@@ -63,7 +60,6 @@ struct Int8Rows {
     __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + n * K + k));
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
   }
-  inline void prefetch(int64_t n, int64_t k) const { _mm_prefetch(reinterpret_cast<const char*>(w + n * K + k), _MM_HINT_T0); }
   inline float finish(int64_t n, float acc) const { return acc * scale[n]; }
 };
 
@@ -76,11 +72,12 @@ inline void tile(const Rows& W, const float* x, float* y, const float* bias, int
   __m256 acc[inputs][rows];
   for (int64_t i = 0; i < inputs; ++i)
     for (int64_t r = 0; r < rows; ++r) acc[i][r] = _mm256_setzero_ps();
+  constexpr int64_t line = 64 / sizeof(*W.w), ahead = kPrefetchBytes / sizeof(*W.w);  // in weight values
   for (int64_t k = 0; k < K; k += 8) {
     __m256 xv[inputs];
     for (int64_t i = 0; i < inputs; ++i) xv[i] = _mm256_loadu_ps(x + (m0 + i) * K + k);
     for (int64_t r = 0; r < rows; ++r) {
-      if (k % Rows::kLineValues == 0) W.prefetch(n0 + r, k + Rows::kLineValues * kPrefetchBytes / 64);
+      if (k % line == 0) _mm_prefetch(reinterpret_cast<const char*>(W.w + (n0 + r) * K + k + ahead), _MM_HINT_T0);
       const __m256 wv = W.load(n0 + r, k);
       for (int64_t i = 0; i < inputs; ++i) acc[i][r] = _mm256_fmadd_ps(wv, xv[i], acc[i][r]);
     }
