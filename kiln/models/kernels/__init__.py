@@ -21,6 +21,7 @@ import torch
 from kiln.errors import UnavailableError
 
 SOURCES = [Path(__file__).with_name(name) for name in ("linear.cpp", "attention.cpp", "norms.cpp")]
+HEADERS = [Path(__file__).with_name("pool.h")]  # in the digest too: a changed header rebuilds
 # -ffp-contract=off: the compiler must not fuse a multiply and an add on its own, which it may do in one
 # inlined copy of a loop and not in another; the kernels' results must not depend on which copy ran.
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
@@ -44,7 +45,7 @@ def kernels() -> ModuleType:
         )
     from torch.utils.cpp_extension import load  # imported late: it pulls in setuptools
 
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     digest = hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
     _ninja_on_path()
     try:

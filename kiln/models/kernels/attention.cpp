@@ -16,6 +16,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "pool.h"
 #include <cmath>
 
 namespace {
@@ -72,7 +74,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Ten
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   TORCH_CHECK(page_size <= kMaxPage, "page_size must be at most ", kMaxPage);
-  at::parallel_for(0, N * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  kiln::SpinPool::run(N * kv_heads, 1, [&](int64_t begin, int64_t end) {
     float running_max[kMaxGroup], total[kMaxGroup], score[kMaxGroup][kMaxPage];
     int64_t offsets[kMaxPage];
     for (int64_t task = begin; task < end; ++task) {

@@ -11,29 +11,36 @@
 // So a row's result is bit-identical alone, in a batch, or in a prefill chunk of any size (batch invariance,
 // which the deterministic mode relies on).
 //
-// Formats (one weight row each):
+// Formats (of one weight row; rows are packed in blocks of 8, see kBlock):
 //   f32:  K floats.
 //   int8: K int8 values q, w = q * scale[n] (symmetric per output row).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "pool.h"
+
 #include <tuple>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
-// Tiles (output rows x input rows) keep weight vectors, input vectors and accumulators in AVX2's 16
-// registers. One input row (decode of one sequence): 4 output rows, so 4 independent accumulator chains
-// hide the multiply-add latency. Several input rows (batches, speculative verification): 2 output rows x
-// 4 inputs, so each weight vector is loaded and widened once for 4 inputs.
-constexpr int64_t kSingleRows = 4;  // the switch in run() covers 1..4
-constexpr int64_t kBatchRows = 2;  // likewise 1..2
-constexpr int64_t kBatchInputs = 4;
-// Each tile reads its rows as separate streams, which the hardware prefetcher follows poorly: asking for
-// the cache line 1 KiB ahead in each row, once per line, read the embedded model's LM head in 16 ms
-// instead of 24 (int8, one row, both measured on the loaded 2-core machine). Prefetching past a row's
-// end is harmless: a hint, never a fault.
-constexpr int64_t kPrefetchBytes = 1024;
+// Weights are packed in blocks of kBlock output rows: for each 8 columns k..k+7, the block's 8 rows hold
+// their 8 values one after another (element (n, k) at ((n / 8) * K + k) * 8 + (n % 8) * 8 + k % 8). One
+// decode tile reads a whole block, and so one contiguous stream, 8 rows x 8 values (one cache line of
+// int8) per step of k. Row-major rows instead made each tile read 4-8 separate streams, which the
+// hardware prefetcher follows poorly: on the 2-core machines here the embedded model's LM head took
+// 13.8 ms (row-major, 4 rows a tile) against 7.4 ms packed (int8, one input row), the read bandwidth
+// limit being 5.8 ms (bench/kernels.py). quant.py packs once, at quantisation.
+constexpr int64_t kBlock = 8;
+// A batched tile: 4 output rows x 3 inputs, 12 accumulators + 3 inputs in AVX2's 16 registers (measured
+// against 2 x 4, 4 x 2, 4 x 4 and 2 x 6 on the embedded model's projections at 8-64 rows: fastest by 1.3-2x).
+constexpr int64_t kBatchRows = 4;
+constexpr int64_t kBatchInputs = 3;
+// Software prefetch distance in the block's stream: 2 KiB ahead measured best (1 KiB: 7-15 % slower on the
+// small matrices; none: 20-25 % slower).
+constexpr int64_t kPrefetchBytes = 2048;
 
 inline float horizontal_sum(__m256 v) {
   __m128 low = _mm256_castps256_ps128(v);
@@ -44,49 +51,86 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(sum);
 }
 
-// Loads 8 consecutive float32 weights of row `n` starting at column k (k a multiple of 8).
-struct F32Rows {
-  const float* w;
+// The packed weights of one format; `at(n, k)` points at row n's values k..k+7 (k a multiple of 8).
+template <typename T>
+struct Packed {
+  const T* w;
   int64_t K;
-  inline __m256 load(int64_t n, int64_t k) const { return _mm256_loadu_ps(w + n * K + k); }
+  inline const T* at(int64_t n, int64_t k) const { return w + ((n / kBlock) * K + k) * kBlock + (n % kBlock) * 8; }
+  // Asks for what the step of k `kPrefetchBytes` further along the stream of rows [n0, n0 + rows) reads.
+  inline void prefetch(int64_t n0, int64_t k, int64_t rows) const {
+    const char* next = reinterpret_cast<const char*>(at(n0, k)) + kPrefetchBytes;
+    for (int64_t line = 0; line < rows * 8 * static_cast<int64_t>(sizeof(T)); line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+  }
+};
+
+struct F32Rows : Packed<float> {
+  inline __m256 load(int64_t n, int64_t k) const { return _mm256_loadu_ps(at(n, k)); }
   inline float finish(int64_t, float acc) const { return acc; }
 };
 
-struct Int8Rows {
-  const int8_t* w;
+struct Int8Rows : Packed<int8_t> {
   const float* scale;
-  int64_t K;
   inline __m256 load(int64_t n, int64_t k) const {
-    __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + n * K + k));
+    __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at(n, k)));
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
   }
   inline float finish(int64_t n, float acc) const { return acc * scale[n]; }
+  // The block of rows n0.. as float32, in the packed order (int8 -> float32 is exact).
+  void widen(int64_t n0, float* out) const {
+    const int8_t* block = at(n0, 0);
+    for (int64_t i = 0; i < K * kBlock; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + i)))));
+  }
 };
 
-// Output rows [n0, n0 + rows) for input rows [m0, m0 + inputs). Each weight vector is loaded (and widened)
-// once for all the tile's inputs. Both counts are compile-time constants, so the accumulators stay in
-// registers (with a run-time count the compiler keeps them in memory, several times slower).
+// One int8 block widened to float32 for the batched tiles, which read it once per group of inputs, so
+// the widening is done once per block, not once per pass. The values are exactly the int8 ones, so results
+// are bit-identical to the one-input tile's.
+struct WidenedBlock {
+  const Int8Rows& source;
+  const float* values;
+  int64_t n0;
+  inline __m256 load(int64_t n, int64_t k) const { return _mm256_loadu_ps(values + k * kBlock + (n - n0) * 8); }
+  inline void prefetch(int64_t, int64_t, int64_t) const {}  // in cache already
+  inline float finish(int64_t n, float acc) const { return source.finish(n, acc); }
+};
+
+// Output rows [n0, n0 + rows) (inside one block) for input rows [m0, m0 + inputs): one 8-lane accumulator
+// per (input, output) pair, multiply-adds in ascending k, each weight vector loaded (and widened) once for
+// all the tile's inputs. Both counts are compile-time constants, so the accumulators stay in registers.
+// Outputs at n >= N (a partial last block's zero rows) are computed and not stored.
 template <typename Rows, int64_t inputs, int64_t rows>
 inline void tile(const Rows& W, const float* x, float* y, const float* bias, int64_t N, int64_t K, int64_t m0,
                  int64_t n0) {
   __m256 acc[inputs][rows];
   for (int64_t i = 0; i < inputs; ++i)
     for (int64_t r = 0; r < rows; ++r) acc[i][r] = _mm256_setzero_ps();
-  constexpr int64_t line = 64 / sizeof(*W.w), ahead = kPrefetchBytes / sizeof(*W.w);  // in weight values
   for (int64_t k = 0; k < K; k += 8) {
+    W.prefetch(n0, k, rows);
     __m256 xv[inputs];
     for (int64_t i = 0; i < inputs; ++i) xv[i] = _mm256_loadu_ps(x + (m0 + i) * K + k);
     for (int64_t r = 0; r < rows; ++r) {
-      if (k % line == 0) _mm_prefetch(reinterpret_cast<const char*>(W.w + (n0 + r) * K + k + ahead), _MM_HINT_T0);
       const __m256 wv = W.load(n0 + r, k);
       for (int64_t i = 0; i < inputs; ++i) acc[i][r] = _mm256_fmadd_ps(wv, xv[i], acc[i][r]);
     }
   }
   for (int64_t i = 0; i < inputs; ++i)
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t r = 0; r < rows && n0 + r < N; ++r) {
       const float out = W.finish(n0 + r, horizontal_sum(acc[i][r]));
       y[(m0 + i) * N + n0 + r] = bias ? out + bias[n0 + r] : out;
     }
+}
+
+// Several inputs against the block of rows n0..: kBatchRows rows x kBatchInputs inputs at a time; the
+// block stays in cache between passes.
+template <typename Rows>
+inline void batched(const Rows& W, const float* x, float* y, const float* bias, int64_t N, int64_t K, int64_t M, int64_t n0) {
+  int64_t m = 0;
+  for (; m + kBatchInputs <= M; m += kBatchInputs)
+    for (int64_t r = 0; r < kBlock; r += kBatchRows) tile<Rows, kBatchInputs, kBatchRows>(W, x, y, bias, N, K, m, n0 + r);
+  for (; m < M; ++m)
+    for (int64_t r = 0; r < kBlock; r += kBatchRows) tile<Rows, 1, kBatchRows>(W, x, y, bias, N, K, m, n0 + r);
 }
 
 template <typename Rows>
@@ -98,29 +142,21 @@ torch::Tensor run(const Rows& W, const torch::Tensor& x, const c10::optional<tor
   const float* xp = x2.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  const int64_t per_tile = M == 1 ? kSingleRows : kBatchRows;
-  const int64_t tiles = (N + per_tile - 1) / per_tile;
-  // Grain: enough tiles per task that thread start-up is noise next to reading their weights.
-  at::parallel_for(0, tiles, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * per_tile, rows = std::min(per_tile, N - n0);
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  // Grain: enough blocks per thread that handing out the job is noise next to reading their weights.
+  kiln::SpinPool::run(blocks, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> widened(M > 1 && std::is_same_v<Rows, Int8Rows> ? kBlock * K : 0);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kBlock;
       if (M == 1) {
-        switch (rows) {  // a partial tile only at the end of N
-          case 4: tile<Rows, 1, 4>(W, xp, yp, bp, N, K, 0, n0); break;
-          case 3: tile<Rows, 1, 3>(W, xp, yp, bp, N, K, 0, n0); break;
-          case 2: tile<Rows, 1, 2>(W, xp, yp, bp, N, K, 0, n0); break;
-          default: tile<Rows, 1, 1>(W, xp, yp, bp, N, K, 0, n0);
-        }
+        tile<Rows, 1, kBlock>(W, xp, yp, bp, N, K, 0, n0);
         continue;
       }
-      int64_t m = 0;
-      for (; m + kBatchInputs <= M; m += kBatchInputs) {
-        if (rows == 2) tile<Rows, kBatchInputs, 2>(W, xp, yp, bp, N, K, m, n0);
-        else tile<Rows, kBatchInputs, 1>(W, xp, yp, bp, N, K, m, n0);
-      }
-      for (; m < M; ++m) {
-        if (rows == 2) tile<Rows, 1, 2>(W, xp, yp, bp, N, K, m, n0);
-        else tile<Rows, 1, 1>(W, xp, yp, bp, N, K, m, n0);
+      if constexpr (std::is_same_v<Rows, Int8Rows>) {
+        W.widen(n0, widened.data());
+        batched(WidenedBlock{W, widened.data(), n0}, xp, yp, bp, N, K, M, n0);
+      } else {
+        batched(W, xp, yp, bp, N, K, M, n0);
       }
     }
   });
@@ -129,10 +165,13 @@ torch::Tensor run(const Rows& W, const torch::Tensor& x, const c10::optional<tor
   return y.view(shape);
 }
 
-void check_input(const torch::Tensor& x, const c10::optional<torch::Tensor>& bias, int64_t N, int64_t K) {
+// w: packed [ceil(N / 8), K / 8, 8, 8] (see kBlock).
+void check_input(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias, int64_t N) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "x must be a float32 CPU tensor");
+  TORCH_CHECK(w.is_contiguous() && w.dim() == 4 && w.size(0) == (N + kBlock - 1) / kBlock && w.size(2) == kBlock &&
+              w.size(3) == 8, "w must be packed weights [ceil(N / 8), K / 8, 8, 8] for N = ", N);
+  const int64_t K = w.size(1) * 8;
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
-  TORCH_CHECK(K % 8 == 0, "in_features must be a multiple of 8, got ", K);
   if (bias.has_value())
     TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kFloat32 && bias->numel() == N,
                 "bias must be a contiguous float32 tensor of ", N, " values");
@@ -140,18 +179,44 @@ void check_input(const torch::Tensor& x, const c10::optional<torch::Tensor>& bia
 
 }  // namespace
 
-torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kFloat32 && w.dim() == 2, "w: contiguous float32 [N, K]");
-  check_input(x, bias, w.size(0), w.size(1));
-  return run(F32Rows{w.data_ptr<float>(), w.size(1)}, x, bias, w.size(0));
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t N) {
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32, "w: packed float32");
+  check_input(x, w, bias, N);
+  return run(F32Rows{{w.data_ptr<float>(), x.size(-1)}}, x, bias, N);
 }
 
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kInt8 && w.dim() == 2, "w: contiguous int8 [N, K]");
-  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 && scale.numel() == w.size(0),
-              "scale: contiguous float32 [N]");
-  check_input(x, bias, w.size(0), w.size(1));
-  return run(Int8Rows{w.data_ptr<int8_t>(), scale.data_ptr<float>(), w.size(1)}, x, bias, w.size(0));
+  TORCH_CHECK(w.scalar_type() == torch::kInt8, "w: packed int8");
+  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32, "scale: contiguous float32 [N]");
+  check_input(x, w, bias, scale.numel());
+  return run(Int8Rows{{w.data_ptr<int8_t>(), x.size(-1)}, scale.data_ptr<float>()}, x, bias, scale.numel());
+}
+
+// Writes the row-major float32 [N, K] matrix packed weights stand for into `out` (scale: int8's per-row
+// scales, else none) and returns it.
+torch::Tensor unpack(torch::Tensor w, c10::optional<torch::Tensor> scale, int64_t N, torch::Tensor out) {
+  TORCH_CHECK(w.is_contiguous() && w.dim() == 4 && w.size(2) == kBlock && w.size(3) == 8 &&
+              w.size(0) == (N + kBlock - 1) / kBlock, "w must be packed weights [ceil(N / 8), K / 8, 8, 8]");
+  const int64_t K = w.size(1) * 8;
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == torch::kFloat32 && out.numel() == N * K, "out: contiguous float32 [N, K]");
+  float* op = out.data_ptr<float>();
+  const bool int8 = w.scalar_type() == torch::kInt8;
+  TORCH_CHECK(int8 == scale.has_value() && (int8 || w.scalar_type() == torch::kFloat32), "int8 weights take scales, float32 none");
+  const float* sp = int8 ? scale->data_ptr<float>() : nullptr;
+  kiln::SpinPool::run(N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t k = 0; k < K; k += 8) {
+        float* row = op + n * K + k;
+        if (int8) {
+          const int8_t* q = Int8Rows{{w.data_ptr<int8_t>(), K}, sp}.at(n, k);
+          for (int64_t j = 0; j < 8; ++j) row[j] = q[j] * sp[n];
+        } else {
+          const float* v = F32Rows{{w.data_ptr<float>(), K}}.at(n, k);
+          std::copy(v, v + 8, row);
+        }
+      }
+  });
+  return out;
 }
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor block_table,
@@ -167,6 +232,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "fused RMSNorm (norms.cpp)");
   m.def("qk_norm_rope", &qk_norm_rope, "fused q/k head norms and rotary embedding (norms.cpp)");
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention (attention.cpp)");
-  m.def("linear_f32", &linear_f32, "batch-invariant float32 linear");
-  m.def("linear_int8", &linear_int8, "weight-only int8 linear (per-row scales)");
+  m.def("linear_f32", &linear_f32, "batch-invariant float32 linear (packed weights)");
+  m.def("unpack", &unpack, "packed weights -> row-major float32");
+  m.def("linear_int8", &linear_int8, "weight-only int8 linear (packed weights, per-row scales)");
 }

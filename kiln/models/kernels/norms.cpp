@@ -11,6 +11,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include "pool.h"
 #include <cmath>
 
 namespace {
@@ -65,7 +67,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double
   auto y = torch::empty_like(rows);
   const float *xp = rows.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, rows.size(0), 16, [&](int64_t begin, int64_t end) {
+  kiln::SpinPool::run(rows.size(0), 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) normalize(xp + r * D, wp, offset, eps, D, yp + r * D);
   });
   return y.view(x.sizes());
@@ -96,7 +98,7 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(torch::Tensor qkv, c10::op
   const float *src = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>();
   const int64_t width = qkv.size(1);
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+  kiln::SpinPool::run(N, 8, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
         const float* x = src + (n * width + h) * D;
