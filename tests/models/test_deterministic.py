@@ -46,6 +46,20 @@ def test_logits_are_bit_identical_however_computed(tiny_loaded, arch: str, fmt: 
     assert torch.allclose(reference, exact, rtol=1e-4, atol=1e-4)  # the same arithmetic, reordered
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_long_histories_split_into_key_chunks_stay_bit_identical(tiny_loaded, arch: str) -> None:
+    """Past 256 positions the attention kernel cuts a query's keys into chunks merged in order: one row's
+    chunks run as parallel tasks (decode), many rows' chunks one after another; same arithmetic."""
+    loaded = tiny_loaded(arch)
+    tokens, other = random_tokens(600, seed=7), random_tokens(19, seed=8)
+    results = ways(model_for(loaded, None, batch_invariant=True), loaded.config, tokens, other, page_size=16)
+    reference = results.pop("one shot")
+    for name, logits in results.items():
+        assert torch.equal(logits, reference), f"{name} differs from one shot by {(logits - reference).abs().max()}"
+    exact = run(PoisonedCache(model_for(loaded, None, False), loaded.config, 16, 600), {0: tokens}, [{0: 600}])[0]
+    assert torch.allclose(reference, exact, rtol=1e-4, atol=1e-4)
+
+
 def test_engine_tokens_and_logprobs_do_not_depend_on_batch_or_chunking(tiny_llm) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, ignore_eos=True)
     prompt = random_tokens(40, seed=5)

@@ -8,6 +8,13 @@
 // sharing a KV head walk the keys together (each key and value is read once for all of them), each with
 // its own softmax state. Reading pages in place also spares decode the copy that gathering them takes.
 //
+// Parallel over keys too: a query's keys are cut at multiples of kChunkTokens positions; each chunk's
+// partial softmax (max, sum, weighted values) is computed on its own and the chunks are merged in
+// position order. Chunks are set by absolute positions, never by the step, so the arithmetic stays the
+// same for a query wherever it is computed. A decode step of one sequence then uses every thread (one
+// task per chunk, merged afterwards); a step with many rows gives each thread whole rows and merges the
+// chunks as it goes, with the same operations.
+//
 // Layout: q [N, H, D] float32; k_pages / v_pages [P, page_size, kv_heads, D] float32 views of one layer's
 // slot (any page stride, contiguous inside a page); block_table [B, W] page ids each sequence reads, in
 // position order, with first_pos [B, W] the position of each page's first slot (padding: a huge value);
@@ -18,34 +25,184 @@
 #include <immintrin.h>
 
 #include "pool.h"
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace {
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head handled in one pass over the keys
 constexpr int64_t kMaxPage = 256;  // tokens per page
+constexpr int64_t kChunkTokens = 256;  // a query's keys are split at multiples of this position
+constexpr int64_t kMaxHeadDim = 512;
 
-// Two accumulators (even and odd 8-lane blocks), so the multiply-adds of one dot product overlap.
-inline float dot(const float* a, const float* b, int64_t D) {
-  __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-  int64_t d = 0;
-  for (; d + 16 <= D; d += 16) {
-    even = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), even);
-    odd = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), odd);
-  }
-  if (d < D) even = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), even);
-  const __m256 acc = _mm256_add_ps(even, odd);
+inline float horizontal_sum(__m256 acc) {
   __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
   sum = _mm_add_ss(sum, _mm_shuffle_ps(sum, sum, 1));
   return _mm_cvtss_f32(sum);
 }
 
-// out += weight * v
-inline void add_scaled(float* out, float weight, const float* v, int64_t D) {
-  const __m256 w = _mm256_set1_ps(weight);
-  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + d), _mm256_loadu_ps(out + d)));
+// score[j][i] = (query head j . key i) * scale for G query heads at once: each key is loaded once for all
+// of them, and the 2 G accumulators (even and odd 8-lane blocks) keep the multiply-adds overlapping. The
+// values' cache lines are prefetched meanwhile; they are read next.
+template <int G>
+void tile_scores(const float* query, const float* k, const float* v, const int64_t* offsets, int64_t count, int64_t D,
+                 float scale, float (*score)[kMaxPage]) {
+  for (int64_t i = 0; i < count; ++i) {
+    const float* key = k + offsets[i];
+    __m256 even[G], odd[G];
+    for (int j = 0; j < G; ++j) even[j] = odd[j] = _mm256_setzero_ps();
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(v + offsets[i] + d), _MM_HINT_T0);
+      const __m256 k0 = _mm256_loadu_ps(key + d), k1 = _mm256_loadu_ps(key + d + 8);
+      for (int j = 0; j < G; ++j) {
+        even[j] = _mm256_fmadd_ps(_mm256_loadu_ps(query + j * D + d), k0, even[j]);
+        odd[j] = _mm256_fmadd_ps(_mm256_loadu_ps(query + j * D + d + 8), k1, odd[j]);
+      }
+    }
+    if (d < D) {
+      const __m256 k0 = _mm256_loadu_ps(key + d);
+      for (int j = 0; j < G; ++j) even[j] = _mm256_fmadd_ps(_mm256_loadu_ps(query + j * D + d), k0, even[j]);
+    }
+    for (int j = 0; j < G; ++j) score[j][i] = horizontal_sum(_mm256_add_ps(even[j], odd[j])) * scale;
+  }
 }
+
+// out_j = out_j * rescale_j + sum_i weight[j][i] * value_i for G query heads, one 8-lane block of the head
+// dimension at a time held in registers (even and odd keys in separate accumulators, added at the end).
+template <int G>
+void tile_values(float* out, const float* v, const int64_t* offsets, int64_t count, int64_t D, const float* rescale,
+                 const float (*weight)[kMaxPage]) {
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 even[G], odd[G];
+    for (int j = 0; j < G; ++j) {
+      even[j] = _mm256_mul_ps(_mm256_set1_ps(rescale[j]), _mm256_loadu_ps(out + j * D + d));
+      odd[j] = _mm256_setzero_ps();
+    }
+    int64_t i = 0;
+    for (; i + 2 <= count; i += 2) {
+      const __m256 first = _mm256_loadu_ps(v + offsets[i] + d), second = _mm256_loadu_ps(v + offsets[i + 1] + d);
+      for (int j = 0; j < G; ++j) {
+        even[j] = _mm256_fmadd_ps(_mm256_set1_ps(weight[j][i]), first, even[j]);
+        odd[j] = _mm256_fmadd_ps(_mm256_set1_ps(weight[j][i + 1]), second, odd[j]);
+      }
+    }
+    if (i < count) {
+      const __m256 last = _mm256_loadu_ps(v + offsets[i] + d);
+      for (int j = 0; j < G; ++j) even[j] = _mm256_fmadd_ps(_mm256_set1_ps(weight[j][i]), last, even[j]);
+    }
+    for (int j = 0; j < G; ++j) _mm256_storeu_ps(out + j * D + d, _mm256_add_ps(even[j], odd[j]));
+  }
+}
+
+// One (query row, KV head)'s keys in [w_begin, w_end) of its block table, all in one chunk.
+struct Task {
+  int64_t row, kvh, w_begin, w_end;
+};
+
+// Online softmax state of a KV head's query heads: running max and sum, and the weighted values.
+struct Partial {
+  float max[kMaxGroup], total[kMaxGroup];
+  float* acc;  // [group, D]
+};
+
+struct Problem {
+  const float *q, *k, *v;
+  const int64_t *table, *first, *seq_of, *pos_of;
+  int64_t H, D, group, kv_heads, page_size, page_stride, width, window;
+  float scale;
+
+  // The chunk's softmax state, from scratch: pages one at a time, one rescale per page.
+  void attend_chunk(const Task& task, Partial& part) const {
+    const int64_t b = seq_of[task.row], qpos = pos_of[task.row];
+    const float* query = q + (task.row * H + task.kvh * group) * D;  // the group's heads are consecutive
+    const int64_t tile = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
+    int64_t offsets[kMaxPage];
+    start(part);
+    for (int64_t w = task.w_begin; w < task.w_end; ++w) {
+      const int64_t start = first[b * width + w], page = table[b * width + w];
+      int64_t count = 0;  // the page's keys this query sees, in position order
+      for (int64_t slot = 0; slot < page_size && start + slot <= qpos; ++slot)
+        if (window <= 0 || start + slot > qpos - window) offsets[count++] = page * page_stride + (slot * kv_heads + task.kvh) * D;
+      if (!count) continue;
+      for (int64_t g = 0; g < group; g += tile) {
+        if (tile == 4) attend_page<4>(query + g * D, part, g, offsets, count);
+        else if (tile == 2) attend_page<2>(query + g * D, part, g, offsets, count);
+        else attend_page<1>(query + g * D, part, g, offsets, count);
+      }
+    }
+  }
+
+  // Query heads g .. g + G - 1 of `part` take in one page's keys: scores, one rescale, weighted values.
+  template <int G>
+  void attend_page(const float* query, Partial& part, int64_t g, const int64_t* offsets, int64_t count) const {
+    float weight[G][kMaxPage], rescale[G];
+    tile_scores<G>(query, k, v, offsets, count, D, scale, weight);
+    for (int j = 0; j < G; ++j) {
+      float page_max = -INFINITY;
+      for (int64_t i = 0; i < count; ++i) page_max = weight[j][i] > page_max ? weight[j][i] : page_max;
+      const float running = part.max[g + j], new_max = page_max > running ? page_max : running;
+      rescale[j] = std::exp(running - new_max);  // exp(-inf) = 0 on the first page
+      float sum = 0.0f;
+      for (int64_t i = 0; i < count; ++i) sum += (weight[j][i] = std::exp(weight[j][i] - new_max));
+      part.total[g + j] = part.total[g + j] * rescale[j] + sum;
+      part.max[g + j] = new_max;
+    }
+    tile_values<G>(part.acc + g * D, v, offsets, count, D, rescale, weight);
+  }
+
+  // into <- into merged with the next chunk (starting from max -inf, sum 0, acc 0 gives the chunk itself).
+  void merge(Partial& into, const Partial& chunk) const {
+    for (int64_t g = 0; g < group; ++g) {
+      const float new_max = chunk.max[g] > into.max[g] ? chunk.max[g] : into.max[g];
+      const float mine = std::exp(into.max[g] - new_max), theirs = std::exp(chunk.max[g] - new_max);
+      into.total[g] = into.total[g] * mine + chunk.total[g] * theirs;
+      into.max[g] = new_max;
+      const __m256 a = _mm256_set1_ps(mine), c = _mm256_set1_ps(theirs);
+      float* out = into.acc + g * D;
+      const float* in = chunk.acc + g * D;
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(out + d, _mm256_fmadd_ps(c, _mm256_loadu_ps(in + d), _mm256_mul_ps(a, _mm256_loadu_ps(out + d))));
+    }
+  }
+
+  void start(Partial& part) const {
+    for (int64_t g = 0; g < group; ++g) part.max[g] = -INFINITY, part.total[g] = 0.0f;
+    std::fill(part.acc, part.acc + group * D, 0.0f);
+  }
+
+  void finish(const Partial& part, float* out) const {
+    for (int64_t g = 0; g < group; ++g) {
+      const float inverse = 1.0f / part.total[g];
+      for (int64_t d = 0; d < D; ++d) out[g * D + d] = part.acc[g * D + d] * inverse;
+    }
+  }
+
+  // Every (row, KV head)'s chunks, in row, head, position order.
+  std::vector<Task> tasks(int64_t N) const {
+    std::vector<Task> out;
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t b = seq_of[n], qpos = pos_of[n];
+      int64_t w = 0, begin = -1, chunk = -1;
+      std::vector<Task> row;
+      for (; w < width; ++w) {
+        const int64_t start = first[b * width + w];
+        if (start > qpos) break;  // pages are in position order; the rest are later (or padding)
+        if (window > 0 && start + page_size <= qpos - window + 1) continue;  // wholly before the window
+        if (start / kChunkTokens != chunk) {
+          if (begin >= 0) row.push_back({n, 0, begin, w});
+          begin = w, chunk = start / kChunkTokens;
+        }
+      }
+      if (begin >= 0) row.push_back({n, 0, begin, w});
+      for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
+        for (Task task : row) task.kvh = kvh, out.push_back(task);
+    }
+    return out;
+  }
+};
 
 }  // namespace
 
@@ -55,68 +212,52 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Ten
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "q: contiguous float32 [N, H, D]");
   TORCH_CHECK(k_pages.dim() == 4 && k_pages.scalar_type() == torch::kFloat32 && v_pages.sizes() == k_pages.sizes() &&
               v_pages.strides() == k_pages.strides(), "k_pages, v_pages: float32 [P, page_size, kv_heads, D], same strides");
-  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t page_size = k_pages.size(1), kv_heads = k_pages.size(2), page_stride = k_pages.stride(0);
-  TORCH_CHECK(k_pages.size(3) == D && D % 8 == 0, "head_dim must match and be a multiple of 8");
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), kv_heads = k_pages.size(2);
+  TORCH_CHECK(k_pages.size(3) == D && D % 8 == 0 && D <= kMaxHeadDim, "head_dim must match, be a multiple of 8 and at most ", kMaxHeadDim);
   TORCH_CHECK(k_pages.stride(3) == 1 && k_pages.stride(2) == D && k_pages.stride(1) == kv_heads * D, "pages must be contiguous inside");
   TORCH_CHECK(H % kv_heads == 0 && H / kv_heads <= kMaxGroup, "heads must be a multiple of kv_heads, at most 16 per KV head");
+  TORCH_CHECK(k_pages.size(1) <= kMaxPage && kChunkTokens % k_pages.size(1) == 0, "page_size must divide ", kChunkTokens);
   auto table = block_table.to(torch::kLong).contiguous(), first = first_pos.to(torch::kLong).contiguous();
   auto seq_of = row_seq.to(torch::kLong).contiguous(), pos_of = row_pos.to(torch::kLong).contiguous();
-  const int64_t width = table.size(1), group = H / kv_heads;
-  auto out = torch::zeros_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_pages.data_ptr<float>();
-  const float* vp = v_pages.data_ptr<float>();
-  const int64_t* tp = table.data_ptr<int64_t>();
-  const int64_t* fp = first.data_ptr<int64_t>();
-  const int64_t* sp = seq_of.data_ptr<int64_t>();
-  const int64_t* pp = pos_of.data_ptr<int64_t>();
+  auto out = torch::empty_like(q);
+  const int64_t group = H / kv_heads;
+  const Problem problem{q.data_ptr<float>(), k_pages.data_ptr<float>(), v_pages.data_ptr<float>(), table.data_ptr<int64_t>(),
+                        first.data_ptr<int64_t>(), seq_of.data_ptr<int64_t>(), pos_of.data_ptr<int64_t>(), H, D, group,
+                        kv_heads, k_pages.size(1), k_pages.stride(0), table.size(1), window, static_cast<float>(scale)};
+  const std::vector<Task> tasks = problem.tasks(N);
+  const int64_t heads = N * kv_heads, T = static_cast<int64_t>(tasks.size());
+  std::vector<int64_t> first_task(heads + 1, T);  // tasks of (row, KV head) h: [first_task[h], first_task[h + 1])
+  for (int64_t t = T - 1; t >= 0; --t) first_task[tasks[t].row * kv_heads + tasks[t].kvh] = t;
+  for (int64_t h = heads - 1; h >= 0; --h) first_task[h] = std::min(first_task[h], first_task[h + 1]);
   float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  TORCH_CHECK(page_size <= kMaxPage, "page_size must be at most ", kMaxPage);
-  kiln::SpinPool::run(N * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    float running_max[kMaxGroup], total[kMaxGroup], score[kMaxGroup][kMaxPage];
-    int64_t offsets[kMaxPage];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / kv_heads, kvh = task % kv_heads;
-      const int64_t b = sp[n], qpos = pp[n];
-      const float* query = qp + (n * H + kvh * group) * D;  // the group's heads are consecutive
-      float* acc = op + (n * H + kvh * group) * D;
-      for (int64_t g = 0; g < group; ++g) running_max[g] = -INFINITY, total[g] = 0.0f;
-      for (int64_t w = 0; w < width; ++w) {
-        const int64_t start = fp[b * width + w];
-        if (start > qpos) break;  // pages are in position order; the rest are later (or padding)
-        const int64_t page = tp[b * width + w];
-        int64_t count = 0;  // the page's keys this query sees, in position order
-        for (int64_t slot = 0; slot < page_size && start + slot <= qpos; ++slot)
-          if (window <= 0 || start + slot > qpos - window) offsets[count++] = page * page_stride + (slot * kv_heads + kvh) * D;
-        if (!count) continue;
-        // Online softmax one page at a time: one rescale per page, not per key.
-        for (int64_t g = 0; g < group; ++g) {
-          float page_max = -INFINITY;
-          for (int64_t i = 0; i < count; ++i) {
-            score[g][i] = dot(query + g * D, kp + offsets[i], D) * fscale;
-            page_max = score[g][i] > page_max ? score[g][i] : page_max;
-          }
-          const float new_max = page_max > running_max[g] ? page_max : running_max[g];
-          const float rescale = std::exp(running_max[g] - new_max);  // exp(-inf) = 0 on the first page
-          float* out = acc + g * D;
-          for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_set1_ps(rescale), _mm256_loadu_ps(out + d)));
-          float sum = 0.0f;
-          for (int64_t i = 0; i < count; ++i) {
-            const float weight = std::exp(score[g][i] - new_max);
-            sum += weight;
-            add_scaled(out, weight, vp + offsets[i], D);
-          }
-          total[g] = total[g] * rescale + sum;
-          running_max[g] = new_max;
+  if (heads >= 2 * at::get_num_threads()) {  // enough rows for every thread: each takes whole rows
+    kiln::SpinPool::run(heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buffers(2 * group * D);
+      Partial chunk{{}, {}, buffers.data()};
+      for (int64_t h = begin; h < end; ++h) {
+        Partial merged{{}, {}, buffers.data() + group * D};
+        problem.start(merged);
+        for (int64_t t = first_task[h]; t < first_task[h + 1]; ++t) {
+          problem.attend_chunk(tasks[t], chunk);
+          problem.merge(merged, chunk);
         }
+        problem.finish(merged, op + h * group * D);
       }
-      for (int64_t g = 0; g < group; ++g) {
-        const float inverse = 1.0f / total[g];
-        for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= inverse;
-      }
-    }
+    });
+    return out;
+  }
+  // Few rows (decode): one task per chunk, then the merge.
+  std::vector<float> accs((T + 1) * group * D);
+  std::vector<Partial> chunks(T);
+  for (int64_t t = 0; t < T; ++t) chunks[t].acc = accs.data() + t * group * D;
+  kiln::SpinPool::run(T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) problem.attend_chunk(tasks[t], chunks[t]);
   });
+  Partial merged{{}, {}, accs.data() + T * group * D};
+  for (int64_t h = 0; h < heads; ++h) {
+    problem.start(merged);
+    for (int64_t t = first_task[h]; t < first_task[h + 1]; ++t) problem.merge(merged, chunks[t]);
+    problem.finish(merged, op + h * group * D);
+  }
   return out;
 }
