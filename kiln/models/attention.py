@@ -20,8 +20,6 @@ from kiln.models.streamed_attention import streamed_attention
 if TYPE_CHECKING:  # kiln.kv imports the model config, hence this package
     from kiln.kv.step import KVStep
 
-IN_PLACE_MAX_QUERIES = 8
-
 
 @dataclass
 class AttentionBatch:
@@ -34,12 +32,12 @@ class AttentionBatch:
     in_place:    attend with the kernel that reads keys and values where they lie in the pages
                  (kernels/attention.cpp) instead of gathering them for padded matrix products. Always in
                  the deterministic mode (its per-query arithmetic does not depend on the step); in other
-                 steps where no sequence has more than IN_PLACE_MAX_QUERIES queries (decode, speculative
-                 verification), where it is faster: measured on the embedded model's shapes, 0.2 vs 0.4 ms
-                 at 512 tokens of history, 9 vs 14 ms at 16k, and that before the kernel split keys into
-                 chunks across threads and tiled query heads (2.6 ms at 16k since); speculative turns of a
-                 3k-token session decode 7-11 % faster with it.
-                 At a 51-token prefill chunk the gathered matrix products win (198 vs 207 ms a step).
+                 steps where every sequence has one query (decode), where it is faster: measured on the
+                 embedded model's shapes, 0.2 vs 0.4 ms at 512 tokens of history, 9 vs 14 ms at 16k, and
+                 that before the kernel split keys into chunks across threads and tiled query heads (2.6
+                 ms at 16k since). Not for several queries of a sequence (speculative verification,
+                 prefill): each query row walks all its keys, so they are read once per row (a 51-token
+                 prefill step at 3k tokens of history: 207 ms against 198 gathered).
     """
 
     query_index: torch.Tensor | None
@@ -49,7 +47,7 @@ class AttentionBatch:
 
     @classmethod
     def for_lengths(cls, lengths: list[int], kv: KVStep, batch_invariant: bool = False, kernel_decode: bool = False) -> AttentionBatch:
-        if not kv.streamed and (batch_invariant or (kernel_decode and max(lengths) <= IN_PLACE_MAX_QUERIES)):
+        if not kv.streamed and (batch_invariant or (kernel_decode and max(lengths) == 1)):
             return cls(None, None, kv, in_place=True)
         if len(lengths) == 1:
             return cls(None, None, kv)
