@@ -35,6 +35,7 @@ SHAPES = {"lm_head": (262144, 640), "gate_up_proj": (4096, 640), "down_proj": (6
 def candidates(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     n, k = weight.shape
     int8 = QuantizedLinear.quantize(weight, None, "int8")
+    rows8 = torch.round(int8.dequantized() / int8.scale[:, None]).to(torch.int8)  # row-major, as aten and inductor take it
     ext = kernels()
     previous = torch.backends.quantized.engine
     torch.backends.quantized.engine = "fbgemm"
@@ -54,9 +55,9 @@ def candidates(weight: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch
         "fp32 (MKL)": lambda x: F.linear(x, weight),
         "fbgemm fp16": lambda x: torch.ops.quantized.linear_dynamic_fp16(x, fp16),
         "fbgemm dynamic int8": lambda x: torch.ops.quantized.linear_dynamic(x, dyn8),
-        "aten int8 weight-only": lambda x: torch._weight_int8pack_mm(x, int8.weight, int8.scale),
+        "aten int8 weight-only": lambda x: torch._weight_int8pack_mm(x, rows8, int8.scale),
         "aten int4 weight-only": lambda x: torch._weight_int4pack_mm_for_cpu(x, aten4, 32, scale_zero),
-        "inductor int8 weight-only": lambda x: woq(x, int8.weight, int8.scale),
+        "inductor int8 weight-only": lambda x: woq(x, rows8, int8.scale),
         "kiln int8 kernel": lambda x: ext.linear_int8(x, int8.weight, int8.scale, None),
         "kiln int8 (QuantizedLinear)": int8,
     }

@@ -40,7 +40,7 @@ def logits(model: CausalLM, loaded, tokens: list[int], chunks: list[int]) -> tor
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 3, 5, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 9])  # every tile shape, and BLAS
 def test_kernel_computes_the_stored_weights(fmt: str, rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(70, 96, generator=gen), torch.randn(70, generator=gen)  # a partial last block of rows
@@ -71,7 +71,7 @@ def test_kernel_rows_are_batch_invariant(fmt: str) -> None:
     layer = QuantizedLinear.quantize(torch.randn(40, 64, generator=gen), None, fmt, batch_invariant=True)
     x = torch.randn(50, 64, generator=gen)
     whole = layer(x)
-    for start, size in [(0, 1), (7, 1), (3, 2), (5, 9), (1, 49)]:
+    for start, size in [(0, 1), (7, 1), (3, 2), (10, 4), (20, 5), (5, 9), (1, 49)]:
         assert torch.equal(layer(x[start : start + size]), whole[start : start + size])
 
 
