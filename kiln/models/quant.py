@@ -44,8 +44,9 @@ if TYPE_CHECKING:
 QUANTIZATIONS = ("int8",)
 KERNEL_FORMATS = ("float32", *QUANTIZATIONS)
 # Above this many rows, widening the weights to float32 and running BLAS beats the kernel (bench/kernels.py:
-# at 256 rows 13.8 vs 16.8 ms on the gate/up projection, 7.4 vs 14.7 on down). Widening costs the same whatever the row count and
-# is large for the LM head (a 671 MB write), so the kernel keeps everything short of a prefill chunk.
+# at 256 rows 13.8 vs 16.8 ms on the gate/up projection, 7.4 vs 14.7 on down). Widening costs the same
+# whatever the row count and is large for the LM head (a 671 MB write), so the kernel keeps everything
+# short of a prefill chunk.
 KERNEL_MAX_ROWS = 64
 QUANT_VERSION = 2  # bump when the stored quantised format changes (2: packed blocks of 8 rows)
 PACK_ROWS = 8  # output rows per packed block (kernels/linear.cpp, kBlock)
