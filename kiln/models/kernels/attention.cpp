@@ -34,7 +34,6 @@ namespace {
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head handled in one pass over the keys
 constexpr int64_t kMaxPage = 256;  // tokens per page
 constexpr int64_t kChunkTokens = 256;  // a query's keys are split at multiples of this position
-constexpr int64_t kMaxHeadDim = 512;
 
 inline float horizontal_sum(__m256 acc) {
   __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
@@ -213,7 +212,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Ten
   TORCH_CHECK(k_pages.dim() == 4 && k_pages.scalar_type() == torch::kFloat32 && v_pages.sizes() == k_pages.sizes() &&
               v_pages.strides() == k_pages.strides(), "k_pages, v_pages: float32 [P, page_size, kv_heads, D], same strides");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), kv_heads = k_pages.size(2);
-  TORCH_CHECK(k_pages.size(3) == D && D % 8 == 0 && D <= kMaxHeadDim, "head_dim must match, be a multiple of 8 and at most ", kMaxHeadDim);
+  TORCH_CHECK(k_pages.size(3) == D && D % 8 == 0, "head_dim must match and be a multiple of 8");
   TORCH_CHECK(k_pages.stride(3) == 1 && k_pages.stride(2) == D && k_pages.stride(1) == kv_heads * D, "pages must be contiguous inside");
   TORCH_CHECK(H % kv_heads == 0 && H / kv_heads <= kMaxGroup, "heads must be a multiple of kv_heads, at most 16 per KV head");
   TORCH_CHECK(k_pages.size(1) <= kMaxPage && kChunkTokens % k_pages.size(1) == 0, "page_size must divide ", kChunkTokens);

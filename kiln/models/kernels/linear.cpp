@@ -165,16 +165,32 @@ torch::Tensor run(const Rows& W, const torch::Tensor& x, const c10::optional<tor
   return y.view(shape);
 }
 
-// w: packed [ceil(N / 8), K / 8, 8, 8] (see kBlock).
-void check_input(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias, int64_t N) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "x must be a float32 CPU tensor");
+// Checks that w is packed weights [ceil(N / 8), K / 8, 8, 8] (see kBlock) and returns K.
+int64_t check_packed(const torch::Tensor& w, int64_t N) {
   TORCH_CHECK(w.is_contiguous() && w.dim() == 4 && w.size(0) == (N + kBlock - 1) / kBlock && w.size(2) == kBlock &&
               w.size(3) == 8, "w must be packed weights [ceil(N / 8), K / 8, 8, 8] for N = ", N);
-  const int64_t K = w.size(1) * 8;
+  return w.size(1) * 8;
+}
+
+void check_input(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "x must be a float32 CPU tensor");
+  const int64_t K = check_packed(w, N);
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
   if (bias.has_value())
     TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kFloat32 && bias->numel() == N,
                 "bias must be a contiguous float32 tensor of ", N, " values");
+}
+
+// Rows [begin, end) of packed weights as row-major float32 in out [N, K], times scale[n] when given.
+template <typename T>
+void unpack_rows(const Packed<T>& W, const float* scale, int64_t begin, int64_t end, float* out) {
+  for (int64_t n = begin; n < end; ++n) {
+    const float factor = scale ? scale[n] : 1.0f;
+    for (int64_t k = 0; k < W.K; k += 8) {
+      const T* values = W.at(n, k);
+      for (int64_t j = 0; j < 8; ++j) out[n * W.K + k + j] = static_cast<float>(values[j]) * factor;
+    }
+  }
 }
 
 }  // namespace
@@ -195,26 +211,14 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
 // Writes the row-major float32 [N, K] matrix packed weights stand for into `out` (scale: int8's per-row
 // scales, else none) and returns it.
 torch::Tensor unpack(torch::Tensor w, c10::optional<torch::Tensor> scale, int64_t N, torch::Tensor out) {
-  TORCH_CHECK(w.is_contiguous() && w.dim() == 4 && w.size(2) == kBlock && w.size(3) == 8 &&
-              w.size(0) == (N + kBlock - 1) / kBlock, "w must be packed weights [ceil(N / 8), K / 8, 8, 8]");
-  const int64_t K = w.size(1) * 8;
+  const int64_t K = check_packed(w, N);
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == torch::kFloat32 && out.numel() == N * K, "out: contiguous float32 [N, K]");
-  float* op = out.data_ptr<float>();
   const bool int8 = w.scalar_type() == torch::kInt8;
   TORCH_CHECK(int8 == scale.has_value() && (int8 || w.scalar_type() == torch::kFloat32), "int8 weights take scales, float32 none");
-  const float* sp = int8 ? scale->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
   kiln::SpinPool::run(N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t k = 0; k < K; k += 8) {
-        float* row = op + n * K + k;
-        if (int8) {
-          const int8_t* q = Int8Rows{{w.data_ptr<int8_t>(), K}, sp}.at(n, k);
-          for (int64_t j = 0; j < 8; ++j) row[j] = q[j] * sp[n];
-        } else {
-          const float* v = F32Rows{{w.data_ptr<float>(), K}}.at(n, k);
-          std::copy(v, v + 8, row);
-        }
-      }
+    if (int8) unpack_rows(Packed<int8_t>{w.data_ptr<int8_t>(), K}, scale->data_ptr<float>(), begin, end, op);
+    else unpack_rows(Packed<float>{w.data_ptr<float>(), K}, nullptr, begin, end, op);
   });
   return out;
 }
