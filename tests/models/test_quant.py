@@ -40,7 +40,7 @@ def logits(model: CausalLM, loaded, tokens: list[int], chunks: list[int]) -> tor
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 9])  # every tile shape, and BLAS
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 9])  # every grouping, and BLAS
 def test_kernel_computes_the_stored_weights(fmt: str, rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(70, 96, generator=gen), torch.randn(70, generator=gen)  # a partial last block of rows

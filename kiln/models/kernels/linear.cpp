@@ -21,8 +21,6 @@
 #include "pool.h"
 
 #include <tuple>
-#include <type_traits>
-#include <vector>
 
 namespace {
 
@@ -34,10 +32,6 @@ namespace {
 // 13.8 ms (row-major, 4 rows a tile) against 7.4 ms packed (int8, one input row), the read bandwidth
 // limit being 5.8 ms (bench/kernels.py). quant.py packs once, at quantisation.
 constexpr int64_t kBlock = 8;
-// A batched tile: 4 output rows x 3 inputs, 12 accumulators + 3 inputs in AVX2's 16 registers (measured
-// against 2 x 4, 4 x 2, 4 x 4 and 2 x 6 on the embedded model's projections at 8-64 rows: fastest by 1.3-2x).
-constexpr int64_t kBatchRows = 4;
-constexpr int64_t kBatchInputs = 3;
 // Software prefetch distance in the block's stream: 2 KiB ahead measured best (1 KiB: 7-15 % slower on the
 // small matrices; none: 20-25 % slower).
 constexpr int64_t kPrefetchBytes = 2048;
@@ -76,32 +70,16 @@ struct Int8Rows : Packed<int8_t> {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
   }
   inline float finish(int64_t n, float acc) const { return acc * scale[n]; }
-  // The block of rows n0.. as float32, in the packed order (int8 -> float32 is exact).
-  void widen(int64_t n0, float* out) const {
-    const int8_t* block = at(n0, 0);
-    for (int64_t i = 0; i < K * kBlock; i += 8)
-      _mm256_storeu_ps(out + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + i)))));
-  }
-};
-
-// One int8 block widened to float32 for the batched tiles, which read it once per group of inputs, so
-// the widening is done once per block, not once per pass. The values are exactly the int8 ones, so results
-// are bit-identical to the one-input tile's.
-struct WidenedBlock {
-  const Int8Rows& source;
-  const float* values;
-  int64_t n0;
-  inline __m256 load(int64_t n, int64_t k) const { return _mm256_loadu_ps(values + k * kBlock + (n - n0) * 8); }
-  inline void prefetch(int64_t, int64_t, int64_t) const {}  // in cache already
-  inline float finish(int64_t n, float acc) const { return source.finish(n, acc); }
 };
 
 // Output rows [n0, n0 + rows) (inside one block) for input rows [m0, m0 + inputs): one 8-lane accumulator
 // per (input, output) pair, multiply-adds in ascending k, each weight vector loaded (and widened) once for
 // all the tile's inputs. Both counts are compile-time constants, so the accumulators stay in registers.
-// Outputs at n >= N (a partial last block's zero rows) are computed and not stored.
+// Outputs at n >= N (a partial last block's zero rows) are computed and not stored. Never inlined: inlined
+// into the block loop next to its other shapes, the 4 x 2 tile lost its registers to the compiler's
+// allocation there and ran 1.6-2x slower (LM head at 4 rows: 25-33 ms against 16).
 template <typename Rows, int64_t inputs, int64_t rows>
-inline void tile(const Rows& W, const float* x, float* y, const float* bias, int64_t N, int64_t K, int64_t m0,
+__attribute__((noinline)) void tile(const Rows& W, const float* x, float* y, const float* bias, int64_t N, int64_t K, int64_t m0,
                  int64_t n0) {
   __m256 acc[inputs][rows];
   for (int64_t i = 0; i < inputs; ++i)
@@ -122,15 +100,29 @@ inline void tile(const Rows& W, const float* x, float* y, const float* bias, int
     }
 }
 
-// Several inputs against the block of rows n0..: kBatchRows rows x kBatchInputs inputs at a time; the
-// block stays in cache between passes.
+// All the inputs against the block of rows n0.., each weight vector read from the block (in cache after the
+// first tile) and widened in registers once per tile: groups of 4 inputs x 2 rows, the last 2 or 3 inputs
+// x 4 rows, a lone input (x 8 rows) only when it is the only one. A lone input after a group costs about
+// as much as a whole group, hence 5 = 3 + 2. Measured on the embedded model's LM head against widening
+// each int8 block into a float32 buffer first and tiling 3 inputs x 4 rows from it: 2 / 4 / 16 / 64 rows
+// took 10 / 16 / 47 / 227 ms against 41 / 33 / 69 / 277, and it was no slower on the other projections.
 template <typename Rows>
-inline void batched(const Rows& W, const float* x, float* y, const float* bias, int64_t N, int64_t K, int64_t M, int64_t n0) {
+inline void tiles(const Rows& W, const float* x, float* y, const float* bias, int64_t N, int64_t K, int64_t M, int64_t n0) {
+  if (M == 1) {
+    tile<Rows, 1, kBlock>(W, x, y, bias, N, K, 0, n0);
+    return;
+  }
   int64_t m = 0;
-  for (; m + kBatchInputs <= M; m += kBatchInputs)
-    for (int64_t r = 0; r < kBlock; r += kBatchRows) tile<Rows, kBatchInputs, kBatchRows>(W, x, y, bias, N, K, m, n0 + r);
-  for (; m < M; ++m)
-    for (int64_t r = 0; r < kBlock; r += kBatchRows) tile<Rows, 1, kBatchRows>(W, x, y, bias, N, K, m, n0 + r);
+  for (; M - m >= 4 && M - m != 5; m += 4)
+    for (int64_t r = 0; r < kBlock; r += 2) tile<Rows, 4, 2>(W, x, y, bias, N, K, m, n0 + r);
+  if (M - m == 5) {
+    for (int64_t r = 0; r < kBlock; r += 4) tile<Rows, 3, 4>(W, x, y, bias, N, K, m, n0 + r);
+    m += 3;
+  }
+  if (M - m == 3)
+    for (int64_t r = 0; r < kBlock; r += 4) tile<Rows, 3, 4>(W, x, y, bias, N, K, m, n0 + r);
+  if (M - m == 2)
+    for (int64_t r = 0; r < kBlock; r += 4) tile<Rows, 2, 4>(W, x, y, bias, N, K, m, n0 + r);
 }
 
 template <typename Rows>
@@ -145,20 +137,7 @@ torch::Tensor run(const Rows& W, const torch::Tensor& x, const c10::optional<tor
   const int64_t blocks = (N + kBlock - 1) / kBlock;
   // Grain: enough blocks per thread that handing out the job is noise next to reading their weights.
   kiln::SpinPool::run(blocks, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> widened(M > 1 && std::is_same_v<Rows, Int8Rows> ? kBlock * K : 0);
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kBlock;
-      if (M == 1) {
-        tile<Rows, 1, kBlock>(W, xp, yp, bp, N, K, 0, n0);
-        continue;
-      }
-      if constexpr (std::is_same_v<Rows, Int8Rows>) {
-        W.widen(n0, widened.data());
-        batched(WidenedBlock{W, widened.data(), n0}, xp, yp, bp, N, K, M, n0);
-      } else {
-        batched(W, xp, yp, bp, N, K, M, n0);
-      }
-    }
+    for (int64_t b = begin; b < end; ++b) tiles(W, xp, yp, bp, N, K, M, b * kBlock);
   });
   auto shape = x.sizes().vec();
   shape.back() = N;
