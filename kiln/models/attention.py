@@ -20,6 +20,12 @@ from kiln.models.streamed_attention import streamed_attention
 if TYPE_CHECKING:  # kiln.kv imports the model config, hence this package
     from kiln.kv.step import KVStep
 
+# Steps whose sequences have at most this many queries attend in place (the kernel reads a sequence's keys
+# once per block of its rows; matrix products win on compute beyond). Measured on the embedded model, one
+# step at 12k tokens of history, in place against gathered: 5 rows 72 vs 100 ms (3k: 55 vs 78), 9 rows 101
+# vs 116, 16 rows 185 vs 142, 51 rows 404 vs 343. Decode alone: 0.2 vs 0.4 ms at 512 tokens of history.
+IN_PLACE_MAX_ROWS = 8
+
 
 @dataclass
 class AttentionBatch:
@@ -32,12 +38,8 @@ class AttentionBatch:
     in_place:    attend with the kernel that reads keys and values where they lie in the pages
                  (kernels/attention.cpp) instead of gathering them for padded matrix products. Always in
                  the deterministic mode (its per-query arithmetic does not depend on the step); in other
-                 steps where every sequence has one query (decode), where it is faster: measured on the
-                 embedded model's shapes, 0.2 vs 0.4 ms at 512 tokens of history, 9 vs 14 ms at 16k, and
-                 that before the kernel split keys into chunks across threads and tiled query heads (2.6
-                 ms at 16k since). Not for several queries of a sequence (speculative verification,
-                 prefill): each query row walks all its keys, so they are read once per row (a 51-token
-                 prefill step at 3k tokens of history: 207 ms against 198 gathered).
+                 steps where no sequence has more than IN_PLACE_MAX_ROWS queries (decode, speculative
+                 verification, short appends), where it is faster.
     """
 
     query_index: torch.Tensor | None
@@ -47,7 +49,7 @@ class AttentionBatch:
 
     @classmethod
     def for_lengths(cls, lengths: list[int], kv: KVStep, batch_invariant: bool = False, kernel_decode: bool = False) -> AttentionBatch:
-        if not kv.streamed and (batch_invariant or (kernel_decode and max(lengths) == 1)):
+        if not kv.streamed and (batch_invariant or (kernel_decode and max(lengths) <= IN_PLACE_MAX_ROWS)):
             return cls(None, None, kv, in_place=True)
         if len(lengths) == 1:
             return cls(None, None, kv)

@@ -7,13 +7,17 @@
 // query sits in a step, so the result depends only on the query and the keys' values. The query heads
 // sharing a KV head walk the keys together (each key and value is read once for all of them), each with
 // its own softmax state. Reading pages in place also spares decode the copy that gathering them takes.
+// Consecutive rows of one sequence (a verification step, a prefill chunk) walk the pages together, up to
+// kRowBlock at a time: each page is taken in by every row of the block while it is in cache, so the
+// sequence's keys cross memory once per block, not once per row. Each row keeps its own state and makes
+// the same operations it would make alone.
 //
 // Parallel over keys too: a query's keys are cut at multiples of kChunkTokens positions; each chunk's
 // partial softmax (max, sum, weighted values) is computed on its own and the chunks are merged in
 // position order. Chunks are set by absolute positions, never by the step, so the arithmetic stays the
-// same for a query wherever it is computed. A decode step of one sequence then uses every thread (one
-// task per chunk, merged afterwards); a step with many rows gives each thread whole rows and merges the
-// chunks as it goes, with the same operations.
+// same for a query wherever it is computed. A step with few blocks (decode of one sequence, a verification
+// step) then uses every thread (one task per chunk, merged afterwards); a step with many blocks gives each
+// thread whole blocks and merges the chunks as it goes, with the same operations.
 //
 // Layout: q [N, H, D] float32; k_pages / v_pages [P, page_size, kv_heads, D] float32 views of one layer's
 // slot (any page stride, contiguous inside a page); block_table [B, W] page ids each sequence reads, in
@@ -34,6 +38,7 @@ namespace {
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head handled in one pass over the keys
 constexpr int64_t kMaxPage = 256;  // tokens per page
 constexpr int64_t kChunkTokens = 256;  // a query's keys are split at multiples of this position
+constexpr int64_t kRowBlock = 16;  // consecutive query rows of a sequence that read each page together
 
 inline float horizontal_sum(__m256 acc) {
   __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
@@ -96,9 +101,10 @@ void tile_values(float* out, const float* v, const int64_t* offsets, int64_t cou
   }
 }
 
-// One (query row, KV head)'s keys in [w_begin, w_end) of its block table, all in one chunk.
+// A block's (consecutive query rows of one sequence) keys of one KV head in [w_begin, w_end) of the
+// sequence's block table, all in one chunk: the union of the rows' own ranges there.
 struct Task {
-  int64_t row, kvh, w_begin, w_end;
+  int64_t block, kvh, w_begin, w_end;
 };
 
 // Online softmax state of a KV head's query heads: running max and sum, and the weighted values.
@@ -113,23 +119,29 @@ struct Problem {
   int64_t H, D, group, kv_heads, page_size, page_stride, width, window;
   float scale;
 
-  // The chunk's softmax state, from scratch: pages one at a time, one rescale per page.
-  void attend_chunk(const Task& task, Partial& part) const {
-    const int64_t b = seq_of[task.row], qpos = pos_of[task.row];
-    const float* query = q + (task.row * H + task.kvh * group) * D;  // the group's heads are consecutive
+  // The chunk's softmax states of the block's rows, from scratch: pages one at a time, and each page for
+  // every row while it is in cache, one rescale per page and row. A row's operations are those it would
+  // make alone: a page it does not see (later than it, or before its window) has no visible key.
+  void attend_chunk(const Task& task, int64_t row_begin, int64_t row_end, Partial* parts) const {
+    const int64_t b = seq_of[row_begin];
     const int64_t tile = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
     int64_t offsets[kMaxPage];
-    start(part);
+    for (int64_t r = row_begin; r < row_end; ++r) start(parts[r - row_begin]);
     for (int64_t w = task.w_begin; w < task.w_end; ++w) {
       const int64_t start = first[b * width + w], page = table[b * width + w];
-      int64_t count = 0;  // the page's keys this query sees, in position order
-      for (int64_t slot = 0; slot < page_size && start + slot <= qpos; ++slot)
-        if (window <= 0 || start + slot > qpos - window) offsets[count++] = page * page_stride + (slot * kv_heads + task.kvh) * D;
-      if (!count) continue;
-      for (int64_t g = 0; g < group; g += tile) {
-        if (tile == 4) attend_page<4>(query + g * D, part, g, offsets, count);
-        else if (tile == 2) attend_page<2>(query + g * D, part, g, offsets, count);
-        else attend_page<1>(query + g * D, part, g, offsets, count);
+      for (int64_t r = row_begin; r < row_end; ++r) {
+        const int64_t qpos = pos_of[r];
+        int64_t count = 0;  // the page's keys this query sees, in position order
+        for (int64_t slot = 0; slot < page_size && start + slot <= qpos; ++slot)
+          if (window <= 0 || start + slot > qpos - window) offsets[count++] = page * page_stride + (slot * kv_heads + task.kvh) * D;
+        if (!count) continue;
+        const float* query = q + (r * H + task.kvh * group) * D;  // the group's heads are consecutive
+        Partial& part = parts[r - row_begin];
+        for (int64_t g = 0; g < group; g += tile) {
+          if (tile == 4) attend_page<4>(query + g * D, part, g, offsets, count);
+          else if (tile == 2) attend_page<2>(query + g * D, part, g, offsets, count);
+          else attend_page<1>(query + g * D, part, g, offsets, count);
+        }
       }
     }
   }
@@ -153,8 +165,10 @@ struct Problem {
   }
 
   // into <- into merged with the next chunk (starting from max -inf, sum 0, acc 0 gives the chunk itself).
+  // A chunk the row saw no key of (its block's, not its own) is no chunk of the row's: skipped.
   void merge(Partial& into, const Partial& chunk) const {
     for (int64_t g = 0; g < group; ++g) {
+      if (chunk.max[g] == -INFINITY) continue;
       const float new_max = chunk.max[g] > into.max[g] ? chunk.max[g] : into.max[g];
       const float mine = std::exp(into.max[g] - new_max), theirs = std::exp(chunk.max[g] - new_max);
       into.total[g] = into.total[g] * mine + chunk.total[g] * theirs;
@@ -179,25 +193,36 @@ struct Problem {
     }
   }
 
-  // Every (row, KV head)'s chunks, in row, head, position order.
-  std::vector<Task> tasks(int64_t N) const {
+  // Blocks of consecutive rows of one sequence, at most kRowBlock each: [block_rows[i], block_rows[i + 1]).
+  std::vector<int64_t> blocks(int64_t N) const {
+    std::vector<int64_t> out{0};
+    for (int64_t n = 1; n < N; ++n)
+      if (seq_of[n] != seq_of[n - 1] || n - out.back() == kRowBlock) out.push_back(n);
+    out.push_back(N);
+    return out;
+  }
+
+  // Every (block, KV head)'s chunks, in block, head, position order. A block reads the pages any of its
+  // rows sees, cut where a chunk ends.
+  std::vector<Task> tasks(const std::vector<int64_t>& block_rows) const {
     std::vector<Task> out;
-    for (int64_t n = 0; n < N; ++n) {
-      const int64_t b = seq_of[n], qpos = pos_of[n];
-      int64_t w = 0, begin = -1, chunk = -1;
-      std::vector<Task> row;
-      for (; w < width; ++w) {
-        const int64_t start = first[b * width + w];
-        if (start > qpos) break;  // pages are in position order; the rest are later (or padding)
-        if (window > 0 && start + page_size <= qpos - window + 1) continue;  // wholly before the window
-        if (start / kChunkTokens != chunk) {
-          if (begin >= 0) row.push_back({n, 0, begin, w});
-          begin = w, chunk = start / kChunkTokens;
-        }
+    for (int64_t i = 0; i + 1 < static_cast<int64_t>(block_rows.size()); ++i) {
+      const int64_t* starts = first + seq_of[block_rows[i]] * width;  // in position order, padding last (huge)
+      int64_t lo = width, hi = 0;
+      for (int64_t n = block_rows[i]; n < block_rows[i + 1]; ++n) {
+        int64_t w = 0;
+        while (w < width && window > 0 && starts[w] + page_size <= pos_of[n] - window + 1) ++w;  // before the window
+        lo = std::min(lo, w);
+        while (w < width && starts[w] <= pos_of[n]) ++w;
+        hi = std::max(hi, w);
       }
-      if (begin >= 0) row.push_back({n, 0, begin, w});
+      std::vector<Task> chunks;
+      for (int64_t w = lo; w < hi; ++w) {
+        if (chunks.empty() || starts[chunks.back().w_begin] / kChunkTokens != starts[w] / kChunkTokens) chunks.push_back({i, 0, w, w});
+        chunks.back().w_end = w + 1;
+      }
       for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
-        for (Task task : row) task.kvh = kvh, out.push_back(task);
+        for (Task task : chunks) task.kvh = kvh, out.push_back(task);
     }
     return out;
   }
@@ -223,40 +248,49 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Ten
   const Problem problem{q.data_ptr<float>(), k_pages.data_ptr<float>(), v_pages.data_ptr<float>(), table.data_ptr<int64_t>(),
                         first.data_ptr<int64_t>(), seq_of.data_ptr<int64_t>(), pos_of.data_ptr<int64_t>(), H, D, group,
                         kv_heads, k_pages.size(1), k_pages.stride(0), table.size(1), window, static_cast<float>(scale)};
-  const std::vector<Task> tasks = problem.tasks(N);
-  const int64_t heads = N * kv_heads, T = static_cast<int64_t>(tasks.size());
-  std::vector<int64_t> first_task(heads + 1, T);  // tasks of (row, KV head) h: [first_task[h], first_task[h + 1])
-  for (int64_t t = T - 1; t >= 0; --t) first_task[tasks[t].row * kv_heads + tasks[t].kvh] = t;
-  for (int64_t h = heads - 1; h >= 0; --h) first_task[h] = std::min(first_task[h], first_task[h + 1]);
+  const std::vector<int64_t> block_rows = problem.blocks(N);
+  const std::vector<Task> tasks = problem.tasks(block_rows);
+  const int64_t units = (static_cast<int64_t>(block_rows.size()) - 1) * kv_heads, T = static_cast<int64_t>(tasks.size());
+  std::vector<int64_t> first_task(units + 1, T);  // tasks of (block, KV head) u: [first_task[u], first_task[u + 1])
+  for (int64_t t = T - 1; t >= 0; --t) first_task[tasks[t].block * kv_heads + tasks[t].kvh] = t;
+  for (int64_t u = units - 1; u >= 0; --u) first_task[u] = std::min(first_task[u], first_task[u + 1]);
+  const int64_t stride = group * D;  // one row's state (and output) for one KV head
   float* op = out.data_ptr<float>();
-  if (heads >= 2 * at::get_num_threads()) {  // enough rows for every thread: each takes whole rows
-    kiln::SpinPool::run(heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> buffers(2 * group * D);
-      Partial chunk{{}, {}, buffers.data()};
-      for (int64_t h = begin; h < end; ++h) {
-        Partial merged{{}, {}, buffers.data() + group * D};
-        problem.start(merged);
-        for (int64_t t = first_task[h]; t < first_task[h + 1]; ++t) {
-          problem.attend_chunk(tasks[t], chunk);
-          problem.merge(merged, chunk);
+  if (units >= 2 * at::get_num_threads()) {  // enough blocks for every thread: each takes whole blocks
+    kiln::SpinPool::run(units, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buffers(2 * kRowBlock * stride);
+      Partial chunk[kRowBlock], merged[kRowBlock];
+      for (int64_t r = 0; r < kRowBlock; ++r) chunk[r].acc = &buffers[r * stride], merged[r].acc = &buffers[(kRowBlock + r) * stride];
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t row_begin = block_rows[u / kv_heads], rows = block_rows[u / kv_heads + 1] - row_begin, kvh = u % kv_heads;
+        for (int64_t r = 0; r < rows; ++r) problem.start(merged[r]);
+        for (int64_t t = first_task[u]; t < first_task[u + 1]; ++t) {
+          problem.attend_chunk(tasks[t], row_begin, row_begin + rows, chunk);
+          for (int64_t r = 0; r < rows; ++r) problem.merge(merged[r], chunk[r]);
         }
-        problem.finish(merged, op + h * group * D);
+        for (int64_t r = 0; r < rows; ++r) problem.finish(merged[r], op + ((row_begin + r) * kv_heads + kvh) * stride);
       }
     });
     return out;
   }
-  // Few rows (decode): one task per chunk, then the merge.
-  std::vector<float> accs((T + 1) * group * D);
-  std::vector<Partial> chunks(T);
-  for (int64_t t = 0; t < T; ++t) chunks[t].acc = accs.data() + t * group * D;
+  // Few blocks (decode, speculative verification): one task per chunk, then the merge.
+  std::vector<int64_t> first_part(T + 1, 0);  // task t's rows' states: [first_part[t], first_part[t + 1])
+  for (int64_t t = 0; t < T; ++t) first_part[t + 1] = first_part[t] + block_rows[tasks[t].block + 1] - block_rows[tasks[t].block];
+  std::vector<float> accs((first_part[T] + 1) * stride);
+  std::vector<Partial> parts(first_part[T] + 1);
+  for (int64_t i = 0; i <= first_part[T]; ++i) parts[i].acc = &accs[i * stride];
   kiln::SpinPool::run(T, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) problem.attend_chunk(tasks[t], chunks[t]);
+    for (int64_t t = begin; t < end; ++t)
+      problem.attend_chunk(tasks[t], block_rows[tasks[t].block], block_rows[tasks[t].block + 1], &parts[first_part[t]]);
   });
-  Partial merged{{}, {}, accs.data() + T * group * D};
-  for (int64_t h = 0; h < heads; ++h) {
-    problem.start(merged);
-    for (int64_t t = first_task[h]; t < first_task[h + 1]; ++t) problem.merge(merged, chunks[t]);
-    problem.finish(merged, op + h * group * D);
+  Partial& merged = parts[first_part[T]];
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t row_begin = block_rows[u / kv_heads], rows = block_rows[u / kv_heads + 1] - row_begin, kvh = u % kv_heads;
+    for (int64_t r = 0; r < rows; ++r) {
+      problem.start(merged);
+      for (int64_t t = first_task[u]; t < first_task[u + 1]; ++t) problem.merge(merged, parts[first_part[t] + r]);
+      problem.finish(merged, op + ((row_begin + r) * kv_heads + kvh) * stride);
+    }
   }
   return out;
 }
