@@ -49,9 +49,10 @@ class ModelRunner:
         self.tiers = tiers  # where `restore` sequences' evicted pages are read from
         self.stream_pages = stream_pages  # pages per chunk of streamed attention
         self.batch_invariant = batch_invariant  # the deterministic mode's attention kernel
-        # Decode steps attend with the in-place kernel where it runs: float32 pages on an AVX2 CPU.
-        self.kernel_decode = storage.data.dtype == torch.float32 and storage.data.device.type == "cpu" and kernels_supported()
-        if self.kernel_decode or batch_invariant:
+        # Steps of few rows per sequence (decode, verification; see AttentionBatch) attend with the in-place
+        # kernel where it runs: float32 pages on an AVX2 CPU.
+        self.kernel_attention = storage.data.dtype == torch.float32 and storage.data.device.type == "cpu" and kernels_supported()
+        if self.kernel_attention or batch_invariant:
             kernels()  # built (or loaded) now, not inside the first request
         self.storage = storage
         self.layout: KVLayout = storage.layout
@@ -70,7 +71,7 @@ class ModelRunner:
             input_ids=torch.tensor([t for c in chunks for t in c.input_ids()], device=device),
             positions=kv.row_pos,
             logit_rows=torch.tensor(rows, dtype=torch.long, device=device),
-            attention=AttentionBatch.for_lengths(lengths, kv, self.batch_invariant, self.kernel_decode),
+            attention=AttentionBatch.for_lengths(lengths, kv, self.batch_invariant, self.kernel_attention),
         )
 
     @torch.inference_mode()

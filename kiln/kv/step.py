@@ -60,7 +60,7 @@ class _GroupStep:
     @cached_property
     def mask(self) -> torch.Tensor:
         """[B, Q, P * page_size] True where query q of sequence b may attend to that key. Built on first
-        read: steps that attend in place (decode, the deterministic mode) never need it."""
+        read: steps that attend in place (decode, verification, the deterministic mode) never need it."""
         key_pos = (self.first_pos[:, :, None] + torch.arange(self.page_size, device=self.first_pos.device)).view(len(self.first_pos), -1)
         q = self.query_pos[:, :, None]
         mask = key_pos[:, None, :] <= q

@@ -48,8 +48,8 @@ class AttentionBatch:
     in_place: bool = False
 
     @classmethod
-    def for_lengths(cls, lengths: list[int], kv: KVStep, batch_invariant: bool = False, kernel_decode: bool = False) -> AttentionBatch:
-        if not kv.streamed and (batch_invariant or (kernel_decode and max(lengths) <= IN_PLACE_MAX_ROWS)):
+    def for_lengths(cls, lengths: list[int], kv: KVStep, batch_invariant: bool = False, kernel_attention: bool = False) -> AttentionBatch:
+        if not kv.streamed and (batch_invariant or (kernel_attention and max(lengths) <= IN_PLACE_MAX_ROWS)):
             return cls(None, None, kv, in_place=True)
         if len(lengths) == 1:
             return cls(None, None, kv)

@@ -79,8 +79,8 @@ struct Int8Rows : Packed<int8_t> {
 // into the block loop next to its other shapes, the 4 x 2 tile lost its registers to the compiler's
 // allocation there and ran 1.6-2x slower (LM head at 4 rows: 25-33 ms against 16).
 template <typename Rows, int64_t inputs, int64_t rows>
-__attribute__((noinline)) void tile(const Rows& W, const float* x, float* y, const float* bias, int64_t N, int64_t K, int64_t m0,
-                 int64_t n0) {
+__attribute__((noinline)) void tile(const Rows& W, const float* x, float* y, const float* bias, int64_t N, int64_t K,
+                                    int64_t m0, int64_t n0) {
   __m256 acc[inputs][rows];
   for (int64_t i = 0; i < inputs; ++i)
     for (int64_t r = 0; r < rows; ++r) acc[i][r] = _mm256_setzero_ps();
