@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 QUANTIZATIONS = ("int8",)
 KERNEL_FORMATS = ("float32", *QUANTIZATIONS)
 # Above this many rows, widening the weights to float32 and running BLAS beats the kernel (bench/kernels.py:
-# at 256 rows 13.8 vs 16.8 ms on the gate/up projection, 7.4 vs 14.7 on down). Widening costs the same
+# at 256 rows 13.9 vs 20.1 ms on the gate/up projection, 5.9 vs 14.3 on down). Widening costs the same
 # whatever the row count and is large for the LM head (a 671 MB write), so the kernel keeps everything
 # short of a prefill chunk.
 KERNEL_MAX_ROWS = 64

@@ -77,7 +77,7 @@ struct Int8Rows : Packed<int8_t> {
 // all the tile's inputs. Both counts are compile-time constants, so the accumulators stay in registers.
 // Outputs at n >= N (a partial last block's zero rows) are computed and not stored. Never inlined: inlined
 // into the block loop next to its other shapes, the 4 x 2 tile lost its registers to the compiler's
-// allocation there and ran 1.6-2x slower (LM head at 4 rows: 25-33 ms against 16).
+// allocation there and ran 1.3-2x slower (LM head at 4 rows: 25-33 ms against 16-19).
 template <typename Rows, int64_t inputs, int64_t rows>
 __attribute__((noinline)) void tile(const Rows& W, const float* x, float* y, const float* bias, int64_t N, int64_t K,
                                     int64_t m0, int64_t n0) {
@@ -103,9 +103,9 @@ __attribute__((noinline)) void tile(const Rows& W, const float* x, float* y, con
 // All the inputs against the block of rows n0.., each weight vector read from the block (in cache after the
 // first tile) and widened in registers once per tile: groups of 4 inputs x 2 rows, the last 2 or 3 inputs
 // x 4 rows, a lone input (x 8 rows) only when it is the only one. A lone input after a group costs about
-// as much as a whole group, hence 5 = 3 + 2. Measured on the embedded model's LM head against widening
-// each int8 block into a float32 buffer first and tiling 3 inputs x 4 rows from it: 2 / 4 / 16 / 64 rows
-// took 10 / 16 / 47 / 227 ms against 41 / 33 / 69 / 277, and it was no slower on the other projections.
+// as much as a whole group, hence 5 = 3 + 2. Measured on the embedded model's LM head, interleaved, against
+// widening each int8 block into a float32 buffer first and tiling 3 inputs x 4 rows from it: 2 / 4 / 16
+// rows took 10.4 / 14.9 / 49.5 ms against 41.9 / 30.4 / 62.9, and it was no slower on the other projections.
 template <typename Rows>
 inline void tiles(const Rows& W, const float* x, float* y, const float* bias, int64_t N, int64_t K, int64_t M, int64_t n0) {
   if (M == 1) {
