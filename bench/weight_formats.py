@@ -35,6 +35,7 @@ from kiln import LLM
 from kiln.engine.runner import Chunk, ModelRunner
 from kiln.engine.sequence import Sequence
 from kiln.kv.cache import KVCache
+from kiln.kv.codec import KVCodec
 from kiln.kv.format import KVFormat, dtype_name
 from kiln.kv.layout import KVLayout
 from kiln.kv.pages import PageTable
@@ -94,7 +95,7 @@ def perplexity(loaded, fmt: str | None, tokens: list[int], chunk: int) -> float:
     layout = KVLayout.for_model(loaded.config, 16)
     pages = layout.num_groups * (len(tokens) // 16 + 2)
     kv_format = KVFormat("bench", dtype_name(torch.float32), dtype_name(torch.float32), "raw", 16)
-    cache = KVCache(layout, pages, torch.float32, "cpu", kv_format)
+    cache = KVCache(layout, pages, KVCodec("none", layout, torch.float32), "cpu", kv_format)
     runner = ModelRunner(model, cache.storage)
     seq = Sequence(tokens, PageTable.empty(layout.num_groups))
     nll, count = 0.0, 0

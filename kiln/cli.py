@@ -44,7 +44,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "restore (bounded, exact: evicted pages in tiers, streamed back)")
     parser.add_argument("--kv-sink-tokens", type=int, default=None, help="first tokens kept resident (sink_window, restore)")
     parser.add_argument("--kv-window-tokens", type=int, default=None, help="recent tokens kept resident (sink_window, restore)")
-    parser.add_argument("--kv-codec", choices=CODECS, default=None, help="how tier pages are stored")
+    parser.add_argument("--kv-codec", choices=CODECS, default=None, help="how KV pages are stored, in the pool and the tiers")
     parser.add_argument("--kv-host-budget-mb", type=int, default=None, help="host-memory tier budget, MiB")
     parser.add_argument("--kv-disk-dir", default=None, help="directory of the disk tier (default: no disk tier)")
     parser.add_argument("--kv-disk-budget-mb", type=int, default=None, help="disk tier budget, MiB")

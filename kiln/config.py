@@ -53,7 +53,9 @@ class EngineConfig:
     kv_policy: str = "full"
     kv_sink_tokens: int = 64
     kv_window_tokens: int = 2048
-    # How pages are stored in the tiers (kiln/kv/codec.py): "none" (exact), "int8", "int4" (KIVI).
+    # How KV pages are stored, in the pool, the tiers and snapshots (kiln/kv/codec.py): "none" (exact, the
+    # KV dtype), "int8" (8-bit, a scale per token, head and 32 channels), "int4" (4-bit values, 8-bit keys).
+    # Attention dequantises on read.
     kv_codec: str = "none"
     kv_host_budget_mb: int = 2048  # host-memory tier for evicted pages
     kv_disk_dir: str | None = None  # disk tier (a memory-mapped file in this directory); None = no disk tier

@@ -86,7 +86,8 @@ class Engine:
             self.model.use_kernels()
         layout = KVLayout.for_model(loaded.config, config.page_size)
         kv_dtype = config.torch_kv_dtype
-        num_pages = config.kv_budget_bytes // layout.page_bytes(torch.empty(0, dtype=kv_dtype).element_size())
+        codec = KVCodec(config.kv_codec, layout, kv_dtype)
+        num_pages = config.kv_budget_bytes // codec.page_nbytes
         if num_pages < layout.num_groups:
             raise InvalidArgumentError(f"kv_budget_bytes {config.kv_budget_bytes} holds fewer pages than one token needs")
         # K/V bits depend on how the weights are stored and on the kernels (batch-invariant or BLAS).
@@ -95,10 +96,9 @@ class Engine:
             weights += "/fused"
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
         self.default_policy = self.policy()
-        codec = KVCodec(config.kv_codec, layout, kv_dtype)
         tiers = PageTiers(codec, config.kv_host_budget_mb * 2**20, config.kv_disk_dir, config.kv_disk_budget_mb * 2**20)
-        kv_format = KVFormat(loaded.fingerprint, weights, dtype_name(kv_dtype), f"raw/tiers:{codec.name}", config.page_size)
-        self._cache = KVCache(layout, num_pages, kv_dtype, config.device, kv_format, tiers)
+        kv_format = KVFormat(loaded.fingerprint, weights, dtype_name(kv_dtype), codec.encoding, config.page_size)
+        self._cache = KVCache(layout, num_pages, codec, config.device, kv_format, tiers)
         stream_pages = -(-config.kv_stream_chunk_tokens // config.page_size)
         self._runner = ModelRunner(self.model, self._cache.storage, config.deterministic, tiers, stream_pages)
         self._sampler = Sampler()
@@ -130,7 +130,7 @@ class Engine:
     @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token costs while every layer keeps it (sliding-window layers later release it)."""
-        return self._cache.layout.bytes_per_token(self._cache.storage.data.element_size())
+        return int(self._cache.storage.codec.bytes_per_token() * self._cache.layout.num_groups)
 
     @property
     def kv_format(self) -> KVFormat:
@@ -150,8 +150,8 @@ class Engine:
 
     @property
     def tier_bytes_per_token(self) -> float:
-        """Bytes one token costs in a tier, every global layer (the only ones tiers hold), as the codec
-        encodes it."""
+        """Bytes one token costs in a tier, every global layer (the only ones tiers hold): the pool's
+        encoding, moved as it is."""
         global_groups = sum(group.window is None for group in self._cache.layout.groups)
         return self._cache.tiers.codec.bytes_per_token() * global_groups  # type: ignore[union-attr]
 

@@ -50,8 +50,8 @@ class ModelRunner:
         self.stream_pages = stream_pages  # pages per chunk of streamed attention
         self.batch_invariant = batch_invariant  # the deterministic mode's attention kernel
         # Steps of few rows per sequence (decode, verification; see AttentionBatch) attend with the in-place
-        # kernel where it runs: float32 pages on an AVX2 CPU.
-        self.kernel_attention = storage.data.dtype == torch.float32 and storage.data.device.type == "cpu" and kernels_supported()
+        # kernel where it runs: float32 or int8 / int4 coded pages on an AVX2 CPU.
+        self.kernel_attention = storage.read_dtype == torch.float32 and storage.device.type == "cpu" and kernels_supported()
         if self.kernel_attention or batch_invariant:
             kernels()  # built (or loaded) now, not inside the first request
         self.storage = storage
@@ -61,7 +61,7 @@ class ModelRunner:
     def prepare(self, chunks: list[Chunk]) -> StepInputs:
         """Everything the forward needs, read from the sequences' page tables (call under the engine
         lock: the tables must not change while this runs; the forward itself needs no lock)."""
-        device = self.storage.data.device
+        device = self.storage.device
         slices = [self._slice(c.seq, c.num_tokens) for c in chunks]
         lengths = [c.num_tokens for c in chunks]
         ends = list(accumulate(lengths))

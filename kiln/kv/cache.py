@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.errors import InvariantViolation
+from kiln.kv.codec import KVCodec
 from kiln.kv.format import KVFormat
 from kiln.kv.image import KVImage, PageKey
 from kiln.kv.layout import KVLayout
@@ -42,12 +43,14 @@ class PoolUsage:
 
 class KVCache:
     def __init__(
-        self, layout: KVLayout, num_pages: int, dtype: torch.dtype, device: str | torch.device, kv_format: KVFormat,
+        self, layout: KVLayout, num_pages: int, codec: KVCodec, device: str | torch.device, kv_format: KVFormat,
         tiers: PageTiers | None = None,
     ) -> None:
+        if tiers is not None and tiers.codec.page_nbytes != codec.page_nbytes:
+            raise ValueError("the tiers hold pages in the pool's codec")
         self.layout = layout
         self.tiers = tiers
-        self.storage = PageStorage(layout, num_pages, dtype, device)
+        self.storage = PageStorage(layout, num_pages, codec, device)
         self.format = kv_format
         self._fingerprint = kv_format.fingerprint()
         self.refcount = [0] * num_pages
@@ -251,7 +254,7 @@ class KVCache:
                 if page is not None and not (i < full and known.get((g, i)) == page):
                     block = self.storage.page(page).to("cpu", copy=True)
                     if i == full:  # the partial last page: nothing past the computed tokens leaves
-                        block[:, :, num_computed % self.page_size :] = 0
+                        self.storage.codec.clear_from(block, num_computed % self.page_size)
                     blocks[(g, i)] = block
         return KVImage(list(tokens), num_computed, table.policy, [list(pages) for pages in table.pages], blocks)
 

@@ -20,7 +20,7 @@ class KVFormat:
     model_fingerprint: str  # the loaded weights' fingerprint (content hash of the checkpoint)
     weights: str  # compute dtype and weight format ("float32/fp16"): K/V depend on both
     kv_dtype: str
-    encoding: str  # how a page's values are stored: "raw" (the KV dtype as is)
+    encoding: str  # how a page's values are stored: "raw" (the KV dtype as is) or a KV codec ("int8", "int4")
     page_size: int
     layout_version: int = LAYOUT_VERSION
 

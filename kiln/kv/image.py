@@ -1,7 +1,7 @@
 """KVImage: a sequence's K/V lifted out of the page pool (to snapshot it) or on its way back in.
 
-Pages are copied as whole PageStorage blocks, `[2, slots, page_size, kv_heads, head_dim]`, so a page
-leaves and returns byte for byte. Positions of a partial last page past the computed tokens are zeroed
+Pages are copied as whole PageStorage blocks (a page's bytes in the pool's codec), so a page leaves
+and returns byte for byte. Positions of a partial last page past the computed tokens are zeroed
 in the copy: a recycled page may still hold another sequence's K/V there, which must not leave with it.
 """
 

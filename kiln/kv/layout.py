@@ -54,11 +54,3 @@ class KVLayout:
     @property
     def num_groups(self) -> int:
         return len(self.groups)
-
-    def page_bytes(self, element_size: int) -> int:
-        """Bytes of one page, K and V together."""
-        return 2 * self.slots * self.page_size * self.num_kv_heads * self.head_dim * element_size
-
-    def bytes_per_token(self, element_size: int) -> int:
-        """KV bytes one token costs when every layer keeps it (no window released)."""
-        return self.page_bytes(element_size) * self.num_groups // self.page_size

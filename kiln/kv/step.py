@@ -17,6 +17,7 @@ from functools import cached_property
 
 import torch
 
+from kiln.kv.codec import Segment
 from kiln.kv.layout import KVLayout
 from kiln.kv.storage import PageStorage
 from kiln.kv.tiers import PageTiers
@@ -50,7 +51,8 @@ class KVSlice:
 
 @dataclass
 class _GroupStep:
-    rows: torch.Tensor  # [N] row base (see PageStorage.row_base) where each new token's K/V goes
+    write_pages: torch.Tensor  # [N] page each new token's K/V goes to
+    write_offsets: torch.Tensor  # [N] its offset in that page
     block_table: torch.Tensor  # [B, P] pages each sequence reads (padded with its first page; masked)
     first_pos: torch.Tensor  # [B, P] position of each listed page's first slot (padding: NO_POSITION)
     query_pos: torch.Tensor  # [B, Q] position of each query (padding repeats the sequence's last)
@@ -106,7 +108,7 @@ class KVStep:
         self.streamed = any(s.stream or any(s.tiered) for s in slices)
         self.peak_bytes = 0
         self.layer_slots = storage.layer_slots
-        device = storage.data.device
+        device = storage.device
         max_q = max(s.num_tokens for s in slices)
         # Padding queries repeat the sequence's last query: same mask row, never a fully masked row.
         query_pos = torch.tensor(
@@ -114,6 +116,7 @@ class KVStep:
         )
         self.groups = [self._group(g, slices, query_pos, device) for g in range(self.layout.num_groups)]
         self.row_seq = torch.tensor([b for b, s in enumerate(slices) for _ in range(s.num_tokens)], device=device)
+        self.last_position = max(s.start + s.num_tokens for s in slices) - 1
         self.row_pos = torch.tensor([p for s in slices for p in range(s.start, s.start + s.num_tokens)], device=device)
 
     def _group(self, g: int, slices: list[KVSlice], query_pos: torch.Tensor, device: torch.device) -> _GroupStep:
@@ -131,37 +134,33 @@ class KVStep:
             for position in range(s.start, s.start + s.num_tokens):
                 pages.append(s.pages[g][first + position // ps - s.start // ps])
                 offsets.append(position % ps)
-        rows = self.storage.row_base(torch.tensor(pages, device=device), torch.tensor(offsets, device=device))
-        return _GroupStep(rows, block_table, first_pos, query_pos, self.layout.groups[g].window, ps)
+        return _GroupStep(torch.tensor(pages, device=device), torch.tensor(offsets, device=device), block_table, first_pos,
+                          query_pos, self.layout.groups[g].window, ps)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's new K/V of one layer: k, v [N, kv_heads, head_dim]."""
         g, slot = self.layer_slots[layer]
-        rows, ps, slots = self.storage.rows(), self.layout.page_size, self.layout.slots
-        base = self.groups[g].rows + slot * ps
-        rows.index_copy_(0, base, k.to(rows.dtype))
-        rows.index_copy_(0, base + slots * ps, v.to(rows.dtype))
+        self.storage.write(slot, self.groups[g].write_pages, self.groups[g].write_offsets, k, v)
 
-    def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, _GroupStep, int | None]:
-        """For kernels that read pages in place: the layer's K and V page views [P, page_size, kv_heads,
-        head_dim], its group's step (block_table, first_pos) and the group's window. Queries are
-        described by `row_seq` (each row's sequence in the step) and `row_pos` (its position)."""
+    def pages(self, layer: int) -> tuple[Segment, Segment, _GroupStep, int | None]:
+        """For kernels that read pages in place: the layer's K and V segments across the pool (the codec's
+        views, [P, page_size, kv_heads, ...]), its group's step (block_table, first_pos) and the group's
+        window. Queries are described by `row_seq` (each row's sequence in the step) and `row_pos` (its
+        position)."""
         g, slot = self.layer_slots[layer]
-        k_pages, v_pages = self.storage.slot_views(slot)
-        return k_pages, v_pages, self.groups[g], self.layout.groups[g].window
+        k, v = self.storage.segments(slot)
+        return k, v, self.groups[g], self.layout.groups[g].window
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys and values [B, kv_heads, P * page_size, head_dim] each sequence may read at this layer
-        (in the pages' dtype), and the mask [B, Q, P * page_size] saying which a query sees."""
+        (decoded, in the storage's read dtype), and the mask [B, Q, P * page_size] saying which a query sees."""
         g, slot = self.layer_slots[layer]
         group = self.groups[g]
-        k_pages, v_pages = self.storage.slot_views(slot)
         num_seqs, width = group.block_table.shape
-        k_buf, v_buf = self.workspace.take((num_seqs * width, *k_pages.shape[1:]), k_pages)
-        flat = group.block_table.view(-1)
-        torch.index_select(k_pages, 0, flat, out=k_buf)
-        torch.index_select(v_pages, 0, flat, out=v_buf)
-        heads, dim = self.layout.num_kv_heads, self.layout.head_dim
+        ps, heads, dim = self.layout.page_size, self.layout.num_kv_heads, self.layout.head_dim
+        like = torch.empty(0, dtype=self.storage.read_dtype, device=self.storage.device)
+        k_buf, v_buf = self.workspace.take((num_seqs * width, ps, heads, dim), like)
+        self.storage.read(slot, group.block_table.view(-1), (k_buf, v_buf))
         keys = k_buf.view(num_seqs, -1, heads, dim).transpose(1, 2)
         values = v_buf.view(num_seqs, -1, heads, dim).transpose(1, 2)
         return keys, values, group.mask

@@ -1,53 +1,61 @@
-"""PageStorage: the preallocated memory every KV page lives in.
+"""PageStorage: the preallocated memory every KV page lives in, in its codec's format (kiln/kv/codec.py).
 
-Page p is one contiguous block `[2 (K, V), slots, page_size, kv_heads, head_dim]`: all the K/V one KV
-group keeps for page_size positions. Contiguous per page so a page can be hashed, written to disk,
-moved to another tier or encoded as one piece of memory. Models never see this tensor: they write and
-read through a KVStep (kiln/kv/step.py), which knows this layout.
+Page p is one contiguous block of `codec.page_nbytes` bytes: all the K/V one KV group keeps for
+page_size positions, encoded. Contiguous per page so a page can be hashed, written to disk, moved to
+another tier or snapshotted as one piece of memory, without re-encoding. Models never see this tensor:
+they write and read through a KVStep (kiln/kv/step.py), which goes through the methods here.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kiln.kv.codec import KVCodec, Segment
 from kiln.kv.layout import KVLayout
 
 
 class PageStorage:
-    def __init__(self, layout: KVLayout, num_pages: int, dtype: torch.dtype, device: str | torch.device) -> None:
+    def __init__(self, layout: KVLayout, num_pages: int, codec: KVCodec, device: str | torch.device) -> None:
         if num_pages < 1:
             raise ValueError("a page pool needs at least one page")
         self.layout = layout
+        self.codec = codec
         self.layer_slots = layout.layer_slots()  # (group, slot) of each model layer, read by every step
         self.num_pages = num_pages
-        self.data = torch.zeros(
-            (num_pages, 2, layout.slots, layout.page_size, layout.num_kv_heads, layout.head_dim), dtype=dtype, device=device
-        )
+        self.data = torch.zeros((num_pages, codec.page_nbytes), dtype=torch.uint8, device=device)
+        # Views of each slot's K and V segments across the pool, built once: every layer of every step uses them.
+        self._segments = [(codec.segment(self.data, 0, s), codec.segment(self.data, 1, s)) for s in range(layout.slots)]
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.data.dtype
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def read_dtype(self) -> torch.dtype:
+        """The dtype `read` decodes pages to."""
+        return self.codec.read_dtype
 
     @property
     def page_bytes(self) -> int:
-        return self.data[0].numel() * self.data.element_size()
+        return self.codec.page_nbytes
 
     def page(self, page: int) -> torch.Tensor:
-        """The page's block, [2, slots, page_size, kv_heads, head_dim] (a view: writes go to the page)."""
+        """The page's bytes, uint8 [page_nbytes] (a view: writes go to the page)."""
         return self.data[page]
 
     def copy_page(self, source: int, target: int) -> None:
         self.data[target].copy_(self.data[source])
 
-    def rows(self) -> torch.Tensor:
-        """[num_pages * 2 * slots * page_size, kv_heads, head_dim]: one row per (page, K/V, slot, offset)."""
-        return self.data.view(-1, self.layout.num_kv_heads, self.layout.head_dim)
+    def segments(self, slot: int) -> tuple[Segment, Segment]:
+        """K and V of one slot across all pages, as the codec's typed views (strided)."""
+        return self._segments[slot]
 
-    def row_base(self, page: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-        """Row in `rows()` of slot 0's K at (page, offset); slot s adds s * page_size, V adds
-        slots * page_size."""
-        return page * (2 * self.layout.slots * self.layout.page_size) + offset
+    def write(self, slot: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode new K/V rows [N, kv_heads, head_dim] of one slot into (pages[i], offsets[i])."""
+        for kind, (segment, x) in enumerate(zip(self._segments[slot], (k, v), strict=True)):
+            self.codec.store(segment, kind, (pages, offsets), x)
 
-    def slot_views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one slot across all pages, each [num_pages, page_size, kv_heads, head_dim] (strided)."""
-        return self.data[:, 0, slot], self.data[:, 1, slot]
+    def read(self, slot: int, ids: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """K and V of one slot of pages `ids`, decoded into out (each [len(ids), page_size, kv_heads, head_dim])."""
+        for segment, buffer in zip(self._segments[slot], out, strict=True):
+            self.codec.load(segment, ids, buffer)

@@ -1,4 +1,5 @@
-"""PageTiers: where pages that left the pool live, encoded by a KVCodec: host memory, then disk.
+"""PageTiers: where pages that left the pool live, in the pool's own encoding (a KVCodec's bytes, moved
+as they are): host memory, then disk.
 
 Entries are content-addressed by the pool's key (KV group, chain hash), so sessions sharing a prefix
 share tier pages, and reference-counted by the page tables that read them. Each tier has a byte budget
@@ -98,13 +99,13 @@ class PageTiers:
     # ---- references -----------------------------------------------------------------------------------
 
     def hold(self, key: Hashable, page: torch.Tensor) -> bool:
-        """Take a reference to `key`, storing `page` ([2, slots, page_size, kv_heads, head_dim]) under it
-        if no tier has it yet. False (nothing changed) when every tier is full of referenced pages."""
+        """Take a reference to `key`, storing a copy of `page` (a pool page's bytes, uint8 [page_nbytes])
+        under it if no tier has it yet. False (nothing changed) when every tier is full of referenced pages."""
         entry = self._entries.get(key)
         if entry is None:
             if not self._room_in_host():
                 return False
-            entry = _Entry("host", self.codec.encode(page.cpu()))
+            entry = _Entry("host", page.to("cpu", copy=True))
             self._entries[key] = entry
         entry.refs += 1
         self._lru[entry.tier][key] = None
@@ -125,17 +126,17 @@ class PageTiers:
 
     def load(self, keys: Sequence[Hashable], slot: int, out: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Decode K and V of one slot of each page into out[0][i], out[1][i] (each [page_size, kv_heads,
-        head_dim]); marks the pages recently used."""
-        for i, key in enumerate(keys):
-            entry = self._entries[key]
-            k, v = self.codec.decode_slot(self._bytes(entry), slot)
-            out[0][i].copy_(k)
-            out[1][i].copy_(v)
+        head_dim]), all pages in one pass; marks the pages recently used."""
+        entries = [self._entries[key] for key in keys]
+        stacked = torch.stack([self._bytes(entry) for entry in entries])
+        for kind in range(2):
+            self.codec.load(self.codec.segment(stacked, kind, slot), None, out[kind])
+        for key, entry in zip(keys, entries, strict=True):
             self._lru[entry.tier].move_to_end(key)
 
     def page(self, key: Hashable) -> torch.Tensor:
-        """The whole decoded page [2, slots, page_size, kv_heads, head_dim]."""
-        return self.codec.decode(self._bytes(self._entries[key]))
+        """The page's bytes (uint8 [page_nbytes]; a disk page is read, not mapped)."""
+        return self._bytes(self._entries[key]).clone()
 
     def _bytes(self, entry: _Entry) -> torch.Tensor:
         if entry.tier == "host":

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # kiln.kv imports the model config, hence this package
 # step at 12k tokens of history, in place against gathered: 5 rows 72 vs 100 ms (3k: 55 vs 78), 9 rows 101
 # vs 116, 16 rows 185 vs 142, 51 rows 404 vs 343. Decode alone: 0.2 vs 0.4 ms at 512 tokens of history.
 IN_PLACE_MAX_ROWS = 8
+KERNEL_CHUNK_TOKENS = 256  # kChunkTokens of kernels/attention.cpp: it keeps a partial state per row per chunk
 
 
 @dataclass
@@ -53,7 +54,7 @@ class AttentionBatch:
             return cls(None, None, kv, in_place=True)
         if len(lengths) == 1:
             return cls(None, None, kv)
-        device = kv.storage.data.device
+        device = kv.storage.device
         counts = torch.tensor(lengths, device=device)
         starts = torch.cumsum(counts, 0) - counts
         offsets = torch.arange(max(lengths), device=device)[None, :]
@@ -69,9 +70,7 @@ def paged_attention(
     if batch.kv.streamed:  # a `restore` sequence (pages in a tier): chunk by chunk, whatever else the step holds
         return streamed_attention(q, layer, batch.kv, scale)
     if batch.in_place:
-        k_pages, v_pages, group, window = batch.kv.pages(layer)
-        return kernels().paged_attention(q.float().contiguous(), k_pages, v_pages, group.block_table, group.first_pos,
-                                         batch.kv.row_seq, batch.kv.row_pos, window or 0, scale)
+        return _in_place_attention(q, layer, batch.kv, scale)
     keys, values, mask = batch.kv.read(layer)
     scores = mask.numel() * q.shape[1]  # [B, heads, Q, L]: scores, then weights
     batch.kv.note_bytes(2 * keys.numel() * keys.element_size() + mask.numel() + 2 * scores * q.element_size())
@@ -87,6 +86,20 @@ def paged_attention(
         enable_gqa=True,
     ).transpose(1, 2)
     return out[0] if batch.query_valid is None else out[batch.query_valid]
+
+
+def _in_place_attention(q: torch.Tensor, layer: int, kv: KVStep, scale: float) -> torch.Tensor:
+    """The C++ kernel over the pages where they lie, dequantising coded pages as it reads them."""
+    k, v, group, window = kv.pages(layer)
+    tail = (group.block_table, group.first_pos, kv.row_seq, kv.row_pos, window or 0, scale)
+    query = q.float().contiguous()
+    chunks = kv.last_position // KERNEL_CHUNK_TOKENS + 1
+    kv.note_bytes(query.numel() * query.element_size() * chunks)  # its partial softmax states, at most
+    if k.scales is None:
+        return kernels().paged_attention(query, k.codes, v.codes, *tail)
+    none = torch.empty(0, dtype=torch.float16)
+    return kernels().paged_attention_coded(query, k.codes, k.scales, none if k.zeros is None else k.zeros, v.codes, v.scales,
+                                           none if v.zeros is None else v.zeros, *tail)
 
 
 def _decode_attention(

@@ -1,10 +1,10 @@
 """Streamed attention: exact attention over pages that are partly resident and partly in a tier.
 
 Used for every step that holds a `restore` sequence (whether or not its pages are in a tier yet, so its
-step memory is bounded by the chunk either way). Per sequence, its keys
-are visited in chunks of `KVStep.stream_pages` pages (resident pages gathered from the pool, tier pages
-decoded by the tier's codec into float32 buffers) and the partial results are merged with the online
-softmax (running max, running sum, rescaled accumulator: FlashAttention's recurrence). The transient
+step memory is bounded by the chunk either way). Per sequence, its keys are visited in chunks of
+`KVStep.stream_pages` pages (resident pages gathered from the pool, tier pages read from their tier,
+both decoded by the codec into float32 buffers, a chunk at once) and the partial results are merged
+with the online softmax (running max, running sum, rescaled accumulator: FlashAttention's recurrence). The transient
 memory of a layer is bounded by one chunk, not by the history: `KVStep.peak_bytes` records it.
 With the identity codec the result equals full attention up to float rounding (a different summation
 order).
@@ -58,7 +58,6 @@ def streamed_attention(q: torch.Tensor, layer: int, kv: KVStep, scale: float) ->
     """q: [N, heads, head_dim] (the step's rows, after RoPE); returns [N, heads, head_dim]. The step's new
     K/V must already be written (they are read back from the pool like every other resident key)."""
     g, slot = kv.layer_slots[layer]
-    k_pages, v_pages = kv.storage.slot_views(slot)
     window = kv.layout.groups[g].window
     ps, kv_heads, dim = kv.layout.page_size, kv.layout.num_kv_heads, kv.layout.head_dim
     out = torch.empty_like(q)
@@ -71,7 +70,7 @@ def streamed_attention(q: torch.Tensor, layer: int, kv: KVStep, scale: float) ->
         query_pos = kv.row_pos[rows].repeat(group)  # folded row r is query r % num_tokens
         merge = _Merge.start(kv_heads, folded.shape[1], dim, q.device)
         chunks = _chunks(s.tiered[g], s.page_indices[g], s.pages[g], kv.stream_pages)
-        for indices, load in _loaders(chunks, kv, slot, k_pages, v_pages):
+        for indices, load in _loaders(chunks, kv, slot):
             keys, values = _take(kv, len(indices) * ps, kv_heads, dim, q.device)
             load(keys.view(len(indices), ps, kv_heads, dim), values.view(len(indices), ps, kv_heads, dim))
             key_pos = (torch.tensor(indices, device=q.device)[:, None] * ps + torch.arange(ps, device=q.device)).view(-1)
@@ -99,7 +98,7 @@ def _chunks(tiered: list[tuple[int, Hashable]], indices: list[int], pages: list[
     return chunks
 
 
-def _loaders(chunks: list[tuple[str, list]], kv: KVStep, slot: int, k_pages: torch.Tensor, v_pages: torch.Tensor):
+def _loaders(chunks: list[tuple[str, list]], kv: KVStep, slot: int):
     """(page indices, load) per chunk: `load` fills float32 K/V buffers [pages, page_size, kv_heads, dim]."""
     for source, entries in chunks:
         indices = [index for index, _ in entries]
@@ -109,14 +108,10 @@ def _loaders(chunks: list[tuple[str, list]], kv: KVStep, slot: int, k_pages: tor
             def load(k: torch.Tensor, v: torch.Tensor, keys: list = keys) -> None:
                 kv.tiers.load(keys, slot, (k, v))  # type: ignore[union-attr]
         else:
-            ids = torch.tensor([page for _, page in entries], device=k_pages.device)
+            ids = torch.tensor([page for _, page in entries], device=kv.storage.device)
 
             def load(k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor = ids) -> None:
-                for pages, buffer in ((k_pages, k), (v_pages, v)):
-                    if pages.dtype == buffer.dtype:
-                        torch.index_select(pages, 0, ids, out=buffer)
-                    else:
-                        buffer.copy_(pages.index_select(0, ids))
+                kv.storage.read(slot, ids, (k, v))
         yield indices, load
 
 

@@ -333,8 +333,8 @@ class Persistence:
 
 
 def _buffer(block: torch.Tensor) -> memoryview:
-    """A CPU page's bytes without a copy (as uint8: NumPy has no bfloat16)."""
-    return memoryview(block.reshape(-1).view(torch.uint8).numpy())
+    """A CPU page's bytes (uint8 [page_nbytes]) without a copy."""
+    return memoryview(block.numpy())
 
 
 def _info(manifest: Manifest) -> SnapshotInfo:

@@ -88,15 +88,13 @@ def fetch(manifest: Manifest, engine: Engine, store: SnapshotStore) -> KVImage:
     """The verified image of a manifest: raises before anything is loaded if any check fails."""
     policy = check_compatible(manifest, engine)
     shape = manifest.shape
-    dtype = getattr(torch, shape.dtype)
-    block_shape = (2, shape.slots, shape.page_size, shape.num_kv_heads, shape.head_dim)
     pages: dict[str, torch.Tensor] = {}
     for digest in sorted(manifest.digests()):
         blob = store.get_blob(digest)
         if blob is None:
             raise FailedPreconditionError(f"snapshot {manifest.snapshot_id}: page blob {digest[:16]} is missing")
         raw = blobs.decompress(blob, digest, shape.page_bytes)
-        pages[digest] = torch.frombuffer(bytearray(raw), dtype=dtype).view(block_shape)
+        pages[digest] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     return KVImage(
         list(manifest.token_ids), manifest.num_computed, policy,
         [[None if d is None else 0 for d in group.pages] for group in manifest.groups],

@@ -8,6 +8,7 @@ from kiln.engine.scheduler import Scheduler
 from kiln.engine.sequence import Request, Sequence
 from kiln.engine.stats import EngineStats
 from kiln.kv.cache import KVCache
+from kiln.kv.codec import KVCodec
 from kiln.kv.format import KVFormat
 from kiln.kv.layout import KVLayout
 from kiln.kv.pages import PageTable
@@ -18,7 +19,8 @@ PS = 4
 
 def make_scheduler(num_pages: int, budget: int = 64, chunk: int = 64, max_num_seqs: int = 8) -> Scheduler:
     config = ModelConfig("llama", 1000, 8, 16, 1, 2, 1, 4)
-    cache = KVCache(KVLayout.for_model(config, PS), num_pages, torch.float32, "cpu", KVFormat("m", "f", "f", "raw", PS))
+    layout = KVLayout.for_model(config, PS)
+    cache = KVCache(layout, num_pages, KVCodec("none", layout, torch.float32), "cpu", KVFormat("m", "f", "f", "raw", PS))
     return Scheduler(cache, max_num_seqs, budget, chunk, EngineStats())
 
 

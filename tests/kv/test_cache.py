@@ -6,6 +6,7 @@ import torch
 import kiln.kv.cache as cache_module
 from kiln.errors import InvariantViolation
 from kiln.kv.cache import KVCache
+from kiln.kv.codec import KVCodec
 from kiln.kv.format import KVFormat
 from kiln.kv.layout import KVLayout
 from kiln.kv.pages import PageTable, chain_hashes
@@ -20,7 +21,8 @@ def make_cache(num_pages: int, window: int | None = None, layers: int = 2, finge
         types = ("sliding_attention",) * (layers - 1) + ("full_attention",)
     config = ModelConfig("llama", 100, 8, 16, layers, 2, 1, 4, sliding_window=window, layer_types=types)
     kv_format = KVFormat(fingerprint, "float32", "float32", "raw", PS)
-    return KVCache(KVLayout.for_model(config, PS), num_pages, torch.float32, "cpu", kv_format)
+    layout = KVLayout.for_model(config, PS)
+    return KVCache(layout, num_pages, KVCodec("none", layout, torch.float32), "cpu", kv_format)
 
 
 def run_sequence(cache: KVCache, tokens: list[int]) -> PageTable:
@@ -47,9 +49,9 @@ def test_layout_groups_sliding_and_full_layers():
 def test_each_page_is_one_contiguous_block():
     cache = make_cache(4)
     block = cache.storage.page(2)
-    assert block.is_contiguous() and block.numel() * 4 == cache.page_bytes
-    block.fill_(7.0)
-    assert cache.storage.data.view(4, -1)[2].eq(7).all() and cache.storage.data.view(4, -1)[[0, 1, 3]].eq(0).all()
+    assert block.is_contiguous() and block.numel() == cache.page_bytes
+    block.fill_(7)
+    assert cache.storage.data[2].eq(7).all() and cache.storage.data[[0, 1, 3]].eq(0).all()
 
 
 def test_chain_hashes_depend_on_whole_prefix_and_salt():
@@ -176,12 +178,12 @@ def test_fork_shares_full_pages_and_copies_the_partial_one():
     cache = make_cache(16, layers=1)
     tokens = list(range(1, 11))  # 2 full pages + 2 tokens
     parent = run_sequence(cache, tokens)
-    cache.storage.page(parent.pages[0][2]).fill_(3.0)
+    cache.storage.page(parent.pages[0][2]).fill_(3)
     child, computed = cache.fork(parent, 10, tokens[:9])
     assert computed == 9
     assert child.pages[0][:2] == parent.pages[0][:2] and cache.refcount[parent.pages[0][0]] == 2
     copy = child.pages[0][2]
-    assert copy != parent.pages[0][2] and cache.storage.page(copy).eq(3.0).all()
+    assert copy != parent.pages[0][2] and cache.storage.page(copy).eq(3).all()
     cache.check(child, tokens[:9], computed)
     cache.release(parent)
     assert cache.refcount[child.pages[0][0]] == 1

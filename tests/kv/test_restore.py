@@ -49,7 +49,7 @@ class Harness:
         kv_codec = KVCodec(codec, layout, torch.float32)
         self.tiers = PageTiers(kv_codec, host_pages * kv_codec.page_nbytes, str(tmp_path), disk_pages * kv_codec.page_nbytes)
         kv_format = KVFormat("test", "float32", "float32", codec, page_size)
-        self.cache = KVCache(layout, num_pages, torch.float32, "cpu", kv_format, self.tiers)
+        self.cache = KVCache(layout, num_pages, kv_codec, "cpu", kv_format, self.tiers)
         self.runner = ModelRunner(self.model, self.cache.storage, tiers=self.tiers, stream_pages=stream_pages)
         self.streamed_steps = 0
 

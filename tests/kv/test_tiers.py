@@ -17,7 +17,8 @@ SIZE = CODEC.page_nbytes
 
 
 def block(value: float) -> torch.Tensor:
-    return torch.full((2, 1, 4, 1, 8), value)
+    """A pool page's bytes (the raw codec) holding `value` everywhere."""
+    return CODEC.encode(torch.full((2, 1, 4, 1, 8), value))
 
 
 def test_pages_move_down_in_lru_order_and_budgets_hold(tmp_path):

@@ -22,6 +22,7 @@ from kiln.engine.runner import Chunk, ModelRunner
 from kiln.engine.sequence import Sequence
 from kiln.errors import InvalidArgumentError
 from kiln.kv.cache import KVCache
+from kiln.kv.codec import KVCodec
 from kiln.kv.format import KVFormat, dtype_name
 from kiln.kv.layout import KVLayout
 from kiln.kv.pages import PageTable
@@ -36,7 +37,7 @@ from tests.tiny_models import TINY_CONFIGS, hf_state_dict, random_hf_model, tiny
 ATOL = 1e-4
 # KILN_TEST_DEVICE=cuda runs the engine-path parity tests on a GPU (both models and the KV cache there).
 DEVICE = os.environ.get("KILN_TEST_DEVICE", "cpu")
-NAN = float("nan")
+POISON = 0xFF  # every byte: NaN as float32, bfloat16 and float16 (a coded page's scales)
 # 660 tokens: prefill chunks that cross position 512 and many page boundaries, then decode steps.
 LONG_CHUNKS = [211, 190, 137, 102] + [1] * 20
 
@@ -85,9 +86,10 @@ def random_tokens(n: int, seed: int) -> list[int]:
 
 class PoisonedCache:
     """The real KVCache and ModelRunner, rigged so that reading a page attention must not read turns
-    logits into NaN, even under a mask. The pool (twice what `num_tokens` need) starts as NaN and hands
-    pages out in shuffled order; a page `ensure` hands out gets finite garbage, as a reused page holds;
-    a page `commit` releases (out of a sliding window) becomes NaN again and is counted in `released`."""
+    logits into NaN, even under a mask. The pool (twice what `num_tokens` need) starts as NaN (all bytes
+    0xFF: NaN values, NaN scales of a coded page) and hands pages out in shuffled order; a page `ensure`
+    hands out gets finite garbage, as a reused page holds; a page `commit` releases (out of a sliding
+    window) becomes NaN again and is counted in `released`. `codec` is the pool's KV codec."""
 
     def __init__(
         self,
@@ -97,12 +99,15 @@ class PoisonedCache:
         num_tokens: int,
         dtype: torch.dtype = torch.float32,
         batch_invariant: bool = False,
+        codec: str = "none",
     ) -> None:
         layout = KVLayout.for_model(config, page_size)
         num_pages = 2 * layout.num_groups * (num_tokens // page_size + 1)
-        kv_format = KVFormat("tiny", dtype_name(dtype), dtype_name(dtype), "raw", page_size)
-        self.cache = KVCache(layout, num_pages, dtype, DEVICE, kv_format)
-        self.cache.storage.data.fill_(NAN)
+        self.codec = KVCodec(codec, layout, dtype)
+        kv_format = KVFormat("tiny", dtype_name(dtype), dtype_name(dtype), self.codec.encoding, page_size)
+        self.cache = KVCache(layout, num_pages, self.codec, DEVICE, kv_format)
+        self.cache.storage.data.fill_(POISON)
+        self.block_shape = (2, layout.slots, page_size, layout.num_kv_heads, layout.head_dim)
         self.generator = torch.Generator().manual_seed(0)
         self.cache._free = deque(torch.randperm(num_pages, generator=self.generator).tolist())
         self.runner = ModelRunner(model, self.cache.storage, batch_invariant)
@@ -122,7 +127,7 @@ class PoisonedCache:
             held = set(seq.table.resident())
             assert self.cache.ensure(seq.table, seq.num_computed + n)
             for page in set(seq.table.resident()) - held:
-                data[page] = torch.randn(data[page].shape, generator=self.generator).to(data.dtype)
+                data[page] = self.codec.encode(torch.randn(self.block_shape, generator=self.generator))
         logits = self.runner.run(self.runner.prepare([Chunk(seq, n, logit_rows=n) for seq, n in chunks]))
         for seq, n in chunks:
             held = set(seq.table.resident())
@@ -131,7 +136,7 @@ class PoisonedCache:
             self.cache.check(seq.table, seq.tokens, seq.num_computed)
             released = sorted(held - set(seq.table.resident()))
             assert all(self.cache.refcount[page] == 0 for page in released)  # now free or cached
-            data[released] = NAN
+            data[released] = POISON
             self.released += len(released)
         return list(logits.split([n for _, n in chunks]))
 

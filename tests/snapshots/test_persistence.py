@@ -40,10 +40,11 @@ def pages_of(llm, session_id: str) -> dict:
     return {key: block.clone() for key, block in capture.image.blocks.items()}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_restore_is_bit_exact_and_continues_like_an_uninterrupted_run(tiny_llm, tmp_path, arch):
-    options = {"speculative": None, "snapshot_dir": str(tmp_path)}
-    reference = tiny_llm(arch, speculative=None).create_session(prompt(70))
+@pytest.mark.parametrize(("arch", "codec"), [("llama", "none"), ("gemma3", "none"), ("llama", "int8"), ("gemma3", "int4")])
+def test_restore_is_bit_exact_and_continues_like_an_uninterrupted_run(tiny_llm, tmp_path, arch, codec):
+    """Coded pools (int8, int4) snapshot their pages' codes as they are."""
+    options = {"speculative": None, "snapshot_dir": str(tmp_path), "kv_codec": codec}
+    reference = tiny_llm(arch, speculative=None, kv_codec=codec).create_session(prompt(70))
     whole = generated(reference, max_tokens=24)
     llm = tiny_llm(arch, **options)
     session = llm.create_session(prompt(70))
@@ -249,6 +250,8 @@ def test_a_snapshot_of_another_model_or_format_version_is_refused(tiny_llm, tmp_
     snapshot_id = session.snapshot()
     with pytest.raises(FailedPreconditionError, match="another model"):
         tiny_llm("qwen3", snapshot_dir=str(tmp_path)).restore_session(snapshot_id)
+    with pytest.raises(FailedPreconditionError, match="encoding 'raw' \\(this server: 'int8'\\)"):
+        tiny_llm("llama", snapshot_dir=str(tmp_path), kv_codec="int8").restore_session(snapshot_id)
     path = tmp_path / "manifests" / f"{snapshot_id}.json"
     raw = json.loads(path.read_text())
     path.write_text(json.dumps({**raw, "format_version": 99}))

@@ -24,7 +24,8 @@ SOURCES = [Path(__file__).with_name(name) for name in ("linear.cpp", "attention.
 HEADERS = [Path(__file__).with_name("pool.h")]  # in the digest too: a changed header rebuilds
 # -ffp-contract=off: the compiler must not fuse a multiply and an add on its own, which it may do in one
 # inlined copy of a loop and not in another; the kernels' results must not depend on which copy ran.
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+# -mf16c: coded KV pages' float16 scales (attention.cpp); every AVX2 CPU has F16C.
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 
 
 def supported() -> bool:
@@ -37,8 +38,8 @@ def supported() -> bool:
 
 @functools.cache
 def kernels() -> ModuleType:
-    """The compiled extension: linear_f32, linear_int8, quantize_rows (linear.cpp), paged_attention
-    (attention.cpp), rms_norm, qk_norm_rope (norms.cpp)."""
+    """The compiled extension: linear_f32, linear_int8, unpack (linear.cpp), paged_attention,
+    paged_attention_coded (attention.cpp), rms_norm, qk_norm_rope (norms.cpp)."""
     if not supported():
         raise UnavailableError(
             f"Kiln's CPU kernels need AVX2 and FMA; this CPU reports {torch.backends.cpu.get_cpu_capability()}"

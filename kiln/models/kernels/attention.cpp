@@ -24,6 +24,20 @@
 // position order, with first_pos [B, W] the position of each page's first slot (padding: a huge value);
 // row_seq [N] / row_pos [N] each query row's sequence and position. window > 0 limits a query at p to
 // keys in (p - window, p].
+//
+// Coded pages (paged_attention_coded): the KV pool stores pages in its codec's at-rest format, so attention
+// reads the codes in place rather than decoding whole pages first. When a row block takes in a page, the
+// page's K and V rows of the task's KV head (the slots some row of the block sees) are dequantised once
+// into per-thread float32 buffers, then every row of the block reads them with the float32 path's own
+// arithmetic. Dequantising rounds exactly as torch's codes.float() * scales.float() (+ zeros.float(),
+// a separate add), so the result is bit-identical to paged_attention on the dequantised pages. K and V
+// each have their own format, told by the codes' dtype, with scales float16 [P, page_size, kv_heads, G]
+// (channel c in group c / (D / G), D / G a multiple of 8):
+//   int8 codes [P, page_size, kv_heads, D]: value = code * scale; zeros empty.
+//   uint8 codes [P, page_size, kv_heads, D / 2], two 4-bit codes a byte, channel 2i in byte i's low
+//   nibble, 2i + 1 in its high nibble; zeros float16 like the scales: value = code * scale + zero.
+// Each tensor is a view of one byte pool: any page stride (its own), contiguous inside a page.
+// float16 is read with F16C, present on every AVX2 CPU these kernels are built for (-mf16c).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -31,6 +45,8 @@
 #include "pool.h"
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -49,10 +65,11 @@ inline float horizontal_sum(__m256 acc) {
 
 // score[j][i] = (query head j . key i) * scale for G query heads at once: each key is loaded once for all
 // of them, and the 2 G accumulators (even and odd 8-lane blocks) keep the multiply-adds overlapping. The
-// values' cache lines are prefetched meanwhile; they are read next.
+// values' cache lines are prefetched meanwhile; they are read next. Both tiles are forced inline: with two
+// callers (float32 and coded pages) GCC left them out of line, and the float32 path ran about 3 % slower.
 template <int G>
-void tile_scores(const float* query, const float* k, const float* v, const int64_t* offsets, int64_t count, int64_t D,
-                 float scale, float (*score)[kMaxPage]) {
+[[gnu::always_inline]] inline void tile_scores(const float* query, const float* k, const float* v, const int64_t* offsets,
+                                               int64_t count, int64_t D, float scale, float (*score)[kMaxPage]) {
   for (int64_t i = 0; i < count; ++i) {
     const float* key = k + offsets[i];
     __m256 even[G], odd[G];
@@ -77,8 +94,8 @@ void tile_scores(const float* query, const float* k, const float* v, const int64
 // out_j = out_j * rescale_j + sum_i weight[j][i] * value_i for G query heads, one 8-lane block of the head
 // dimension at a time held in registers (even and odd keys in separate accumulators, added at the end).
 template <int G>
-void tile_values(float* out, const float* v, const int64_t* offsets, int64_t count, int64_t D, const float* rescale,
-                 const float (*weight)[kMaxPage]) {
+[[gnu::always_inline]] inline void tile_values(float* out, const float* v, const int64_t* offsets, int64_t count, int64_t D,
+                                               const float* rescale, const float (*weight)[kMaxPage]) {
   for (int64_t d = 0; d < D; d += 8) {
     __m256 even[G], odd[G];
     for (int j = 0; j < G; ++j) {
@@ -113,34 +130,124 @@ struct Partial {
   float* acc;  // [group, D]
 };
 
+// One (page, KV head)'s keys and values as float32: slot s's at k + s * stride and v + s * stride.
+struct PageRows {
+  const float *k, *v;
+  int64_t stride;
+};
+
+// Float32 pages are read where they lie: no copy, no scratch.
+struct Float32Pages {
+  const float *k, *v;
+  int64_t page_stride, kv_heads, D;
+
+  int64_t scratch_floats() const { return 0; }
+  PageRows rows(int64_t page, int64_t kvh, int64_t, int64_t, float*) const {
+    const int64_t at = page * page_stride + kvh * D;
+    return {k + at, v + at, kv_heads * D};
+  }
+};
+
+// K or V of coded pages: codes (8 or 4 bits), float16 scales per group of channels (and zeros for 4 bits),
+// each with its own page stride.
+struct CodedSide {
+  const uint8_t* codes;
+  const at::Half *scales, *zeros;
+  int64_t code_stride, scale_stride, zero_stride, bits, groups;
+};
+
+inline float half_to_float(at::Half h) { return _cvtsh_ss(h.x); }
+
+// value = code * scale per group of `group` channels (a multiple of 8).
+inline void dequantise_int8(const uint8_t* codes, const at::Half* scales, int64_t D, int64_t group, float* out) {
+  for (int64_t begin = 0; begin < D; begin += group) {
+    const __m256 s = _mm256_set1_ps(half_to_float(scales[begin / group]));
+    for (int64_t d = begin; d < begin + group; d += 8) {
+      const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + d)));
+      _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtepi32_ps(wide), s));
+    }
+  }
+}
+
+// value = code * scale + zero per group of `group` channels (a multiple of 8). The product is exact in float32
+// (4 + 11 significant bits), so only the add rounds, as in torch's codes.float() * scales + zeros.
+inline void dequantise_int4(const uint8_t* codes, const at::Half* scales, const at::Half* zeros, int64_t D, int64_t group,
+                            float* out) {
+  const __m128i nibble = _mm_set1_epi8(0x0f);
+  for (int64_t begin = 0; begin < D; begin += group) {
+    const __m256 s = _mm256_set1_ps(half_to_float(scales[begin / group])), z = _mm256_set1_ps(half_to_float(zeros[begin / group]));
+    for (int64_t d = begin; d < begin + group; d += 8) {
+      int32_t packed;  // channels d .. d + 7
+      std::memcpy(&packed, codes + d / 2, sizeof packed);
+      const __m128i bytes = _mm_cvtsi32_si128(packed);
+      const __m128i low = _mm_and_si128(bytes, nibble), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+      const __m256 code = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(low, high)));
+      _mm256_storeu_ps(out + d, _mm256_add_ps(_mm256_mul_ps(code, s), z));
+    }
+  }
+}
+
+// Coded pages, dequantised a (page, KV head) at a time into the caller's scratch, [page_size, D] for K then V.
+struct CodedPages {
+  CodedSide k, v;
+  int64_t page_size, kv_heads, D;
+
+  int64_t scratch_floats() const { return 2 * page_size * D; }
+  PageRows rows(int64_t page, int64_t kvh, int64_t slot_begin, int64_t slot_end, float* scratch) const {
+    dequantise(k, page, kvh, slot_begin, slot_end, scratch);
+    dequantise(v, page, kvh, slot_begin, slot_end, scratch + page_size * D);
+    return {scratch, scratch + page_size * D, D};
+  }
+
+  void dequantise(const CodedSide& side, int64_t page, int64_t kvh, int64_t slot_begin, int64_t slot_end, float* out) const {
+    const int64_t code_bytes = side.bits == 8 ? D : D / 2, group = D / side.groups;
+    for (int64_t slot = slot_begin; slot < slot_end; ++slot) {
+      const int64_t row = slot * kv_heads + kvh;
+      const uint8_t* codes = side.codes + page * side.code_stride + row * code_bytes;
+      const at::Half* scales = side.scales + page * side.scale_stride + row * side.groups;
+      if (side.bits == 8) dequantise_int8(codes, scales, D, group, out + slot * D);
+      else dequantise_int4(codes, scales, side.zeros + page * side.zero_stride + row * side.groups, D, group, out + slot * D);
+    }
+  }
+};
+
+template <class Pages>
 struct Problem {
-  const float *q, *k, *v;
+  Pages pages;
+  const float* q;
   const int64_t *table, *first, *seq_of, *pos_of;
-  int64_t H, D, group, kv_heads, page_size, page_stride, width, window;
+  int64_t H, D, group, kv_heads, page_size, width, window;
   float scale;
 
   // The chunk's softmax states of the block's rows, from scratch: pages one at a time, and each page for
   // every row while it is in cache, one rescale per page and row. A row's operations are those it would
   // make alone: a page it does not see (later than it, or before its window) has no visible key.
-  void attend_chunk(const Task& task, int64_t row_begin, int64_t row_end, Partial* parts) const {
+  // `scratch`: pages.scratch_floats() floats of the calling thread's.
+  void attend_chunk(const Task& task, int64_t row_begin, int64_t row_end, Partial* parts, float* scratch) const {
     const int64_t b = seq_of[row_begin];
     const int64_t tile = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
     int64_t offsets[kMaxPage];
-    for (int64_t r = row_begin; r < row_end; ++r) start(parts[r - row_begin]);
+    int64_t lowest = pos_of[row_begin], highest = lowest;  // the block's positions: which slots any row sees
+    for (int64_t r = row_begin; r < row_end; ++r) {
+      start(parts[r - row_begin]);
+      lowest = std::min(lowest, pos_of[r]), highest = std::max(highest, pos_of[r]);
+    }
     for (int64_t w = task.w_begin; w < task.w_end; ++w) {
       const int64_t start = first[b * width + w], page = table[b * width + w];
+      const int64_t seen_begin = window > 0 ? std::clamp(lowest - window + 1 - start, int64_t{0}, page_size) : 0;
+      const PageRows rows = pages.rows(page, task.kvh, seen_begin, std::clamp(highest + 1 - start, int64_t{0}, page_size), scratch);
       for (int64_t r = row_begin; r < row_end; ++r) {
         const int64_t qpos = pos_of[r];
         int64_t count = 0;  // the page's keys this query sees, in position order
         for (int64_t slot = 0; slot < page_size && start + slot <= qpos; ++slot)
-          if (window <= 0 || start + slot > qpos - window) offsets[count++] = page * page_stride + (slot * kv_heads + task.kvh) * D;
+          if (window <= 0 || start + slot > qpos - window) offsets[count++] = slot * rows.stride;
         if (!count) continue;
         const float* query = q + (r * H + task.kvh * group) * D;  // the group's heads are consecutive
         Partial& part = parts[r - row_begin];
         for (int64_t g = 0; g < group; g += tile) {
-          if (tile == 4) attend_page<4>(query + g * D, part, g, offsets, count);
-          else if (tile == 2) attend_page<2>(query + g * D, part, g, offsets, count);
-          else attend_page<1>(query + g * D, part, g, offsets, count);
+          if (tile == 4) attend_page<4>(query + g * D, part, g, rows, offsets, count);
+          else if (tile == 2) attend_page<2>(query + g * D, part, g, rows, offsets, count);
+          else attend_page<1>(query + g * D, part, g, rows, offsets, count);
         }
       }
     }
@@ -148,9 +255,10 @@ struct Problem {
 
   // Query heads g .. g + G - 1 of `part` take in one page's keys: scores, one rescale, weighted values.
   template <int G>
-  void attend_page(const float* query, Partial& part, int64_t g, const int64_t* offsets, int64_t count) const {
+  void attend_page(const float* query, Partial& part, int64_t g, const PageRows& rows, const int64_t* offsets,
+                   int64_t count) const {
     float weight[G][kMaxPage], rescale[G];
-    tile_scores<G>(query, k, v, offsets, count, D, scale, weight);
+    tile_scores<G>(query, rows.k, rows.v, offsets, count, D, scale, weight);
     for (int j = 0; j < G; ++j) {
       float page_max = -INFINITY;
       for (int64_t i = 0; i < count; ++i) page_max = weight[j][i] > page_max ? weight[j][i] : page_max;
@@ -161,7 +269,7 @@ struct Problem {
       part.total[g + j] = part.total[g + j] * rescale[j] + sum;
       part.max[g + j] = new_max;
     }
-    tile_values<G>(part.acc + g * D, v, offsets, count, D, rescale, weight);
+    tile_values<G>(part.acc + g * D, rows.v, offsets, count, D, rescale, weight);
   }
 
   // into <- into merged with the next chunk (starting from max -inf, sum 0, acc 0 gives the chunk itself).
@@ -228,26 +336,38 @@ struct Problem {
   }
 };
 
-}  // namespace
-
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor block_table,
-                              torch::Tensor first_pos, torch::Tensor row_seq, torch::Tensor row_pos, int64_t window,
-                              double scale) {
+// What both entry points check of q and the pages' shape; returns head_dim.
+int64_t check_query(const torch::Tensor& q, int64_t page_size, int64_t kv_heads) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "q: contiguous float32 [N, H, D]");
-  TORCH_CHECK(k_pages.dim() == 4 && k_pages.scalar_type() == torch::kFloat32 && v_pages.sizes() == k_pages.sizes() &&
-              v_pages.strides() == k_pages.strides(), "k_pages, v_pages: float32 [P, page_size, kv_heads, D], same strides");
-  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), kv_heads = k_pages.size(2);
-  TORCH_CHECK(k_pages.size(3) == D && D % 8 == 0, "head_dim must match and be a multiple of 8");
-  TORCH_CHECK(k_pages.stride(3) == 1 && k_pages.stride(2) == D && k_pages.stride(1) == kv_heads * D, "pages must be contiguous inside");
-  TORCH_CHECK(H % kv_heads == 0 && H / kv_heads <= kMaxGroup, "heads must be a multiple of kv_heads, at most 16 per KV head");
-  TORCH_CHECK(k_pages.size(1) <= kMaxPage && kChunkTokens % k_pages.size(1) == 0, "page_size must divide ", kChunkTokens);
+  const int64_t H = q.size(1), D = q.size(2);
+  TORCH_CHECK(D % 8 == 0, "head_dim must be a multiple of 8");
+  TORCH_CHECK(kv_heads > 0 && H % kv_heads == 0 && H / kv_heads <= kMaxGroup,
+              "heads must be a multiple of kv_heads, at most 16 per KV head");
+  TORCH_CHECK(page_size > 0 && page_size <= kMaxPage && kChunkTokens % page_size == 0, "page_size must divide ", kChunkTokens);
+  return D;
+}
+
+// [P, page_size, kv_heads, last] laid out contiguously inside a page (any page stride).
+void check_page_view(const torch::Tensor& t, const char* name, torch::ScalarType dtype, int64_t pages, int64_t page_size,
+                     int64_t kv_heads, int64_t last) {
+  TORCH_CHECK(t.scalar_type() == dtype, name, ": expected ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 4 && t.size(0) == pages && t.size(1) == page_size && t.size(2) == kv_heads && t.size(3) == last,
+              name, ": expected [", pages, ", ", page_size, ", ", kv_heads, ", ", last, "], got ", t.sizes());
+  TORCH_CHECK(t.stride(3) == 1 && t.stride(2) == last && t.stride(1) == kv_heads * last, name, ": must be contiguous inside a page");
+}
+
+// Runs the problem over every row of q (the pages' checks done).
+template <class Pages>
+torch::Tensor attend(const Pages& pages, const torch::Tensor& q, const torch::Tensor& block_table, const torch::Tensor& first_pos,
+                     const torch::Tensor& row_seq, const torch::Tensor& row_pos, int64_t page_size, int64_t kv_heads,
+                     int64_t window, double scale) {
   auto table = block_table.to(torch::kLong).contiguous(), first = first_pos.to(torch::kLong).contiguous();
   auto seq_of = row_seq.to(torch::kLong).contiguous(), pos_of = row_pos.to(torch::kLong).contiguous();
   auto out = torch::empty_like(q);
-  const int64_t group = H / kv_heads;
-  const Problem problem{q.data_ptr<float>(), k_pages.data_ptr<float>(), v_pages.data_ptr<float>(), table.data_ptr<int64_t>(),
-                        first.data_ptr<int64_t>(), seq_of.data_ptr<int64_t>(), pos_of.data_ptr<int64_t>(), H, D, group,
-                        kv_heads, k_pages.size(1), k_pages.stride(0), table.size(1), window, static_cast<float>(scale)};
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), group = H / kv_heads;
+  const Problem<Pages> problem{pages, q.data_ptr<float>(), table.data_ptr<int64_t>(), first.data_ptr<int64_t>(),
+                               seq_of.data_ptr<int64_t>(), pos_of.data_ptr<int64_t>(), H, D, group, kv_heads, page_size,
+                               table.size(1), window, static_cast<float>(scale)};
   const std::vector<int64_t> block_rows = problem.blocks(N);
   const std::vector<Task> tasks = problem.tasks(block_rows);
   const int64_t units = (static_cast<int64_t>(block_rows.size()) - 1) * kv_heads, T = static_cast<int64_t>(tasks.size());
@@ -258,14 +378,14 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Ten
   float* op = out.data_ptr<float>();
   if (units >= 2 * at::get_num_threads()) {  // enough blocks for every thread: each takes whole blocks
     kiln::SpinPool::run(units, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> buffers(2 * kRowBlock * stride);
+      std::vector<float> buffers(2 * kRowBlock * stride), scratch(pages.scratch_floats());
       Partial chunk[kRowBlock], merged[kRowBlock];
       for (int64_t r = 0; r < kRowBlock; ++r) chunk[r].acc = &buffers[r * stride], merged[r].acc = &buffers[(kRowBlock + r) * stride];
       for (int64_t u = begin; u < end; ++u) {
         const int64_t row_begin = block_rows[u / kv_heads], rows = block_rows[u / kv_heads + 1] - row_begin, kvh = u % kv_heads;
         for (int64_t r = 0; r < rows; ++r) problem.start(merged[r]);
         for (int64_t t = first_task[u]; t < first_task[u + 1]; ++t) {
-          problem.attend_chunk(tasks[t], row_begin, row_begin + rows, chunk);
+          problem.attend_chunk(tasks[t], row_begin, row_begin + rows, chunk, scratch.data());
           for (int64_t r = 0; r < rows; ++r) problem.merge(merged[r], chunk[r]);
         }
         for (int64_t r = 0; r < rows; ++r) problem.finish(merged[r], op + ((row_begin + r) * kv_heads + kvh) * stride);
@@ -280,8 +400,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Ten
   std::vector<Partial> parts(first_part[T] + 1);
   for (int64_t i = 0; i <= first_part[T]; ++i) parts[i].acc = &accs[i * stride];
   kiln::SpinPool::run(T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(pages.scratch_floats());
     for (int64_t t = begin; t < end; ++t)
-      problem.attend_chunk(tasks[t], block_rows[tasks[t].block], block_rows[tasks[t].block + 1], &parts[first_part[t]]);
+      problem.attend_chunk(tasks[t], block_rows[tasks[t].block], block_rows[tasks[t].block + 1], &parts[first_part[t]],
+                           scratch.data());
   });
   Partial& merged = parts[first_part[T]];
   for (int64_t u = 0; u < units; ++u) {
@@ -293,4 +415,52 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Ten
     }
   }
   return out;
+}
+
+}  // namespace
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor block_table,
+                              torch::Tensor first_pos, torch::Tensor row_seq, torch::Tensor row_pos, int64_t window,
+                              double scale) {
+  TORCH_CHECK(k_pages.dim() == 4 && k_pages.scalar_type() == torch::kFloat32 && v_pages.sizes() == k_pages.sizes() &&
+              v_pages.strides() == k_pages.strides(), "k_pages, v_pages: float32 [P, page_size, kv_heads, D], same strides");
+  const int64_t page_size = k_pages.size(1), kv_heads = k_pages.size(2), D = check_query(q, page_size, kv_heads);
+  TORCH_CHECK(k_pages.size(3) == D, "head_dim must match");
+  TORCH_CHECK(k_pages.stride(3) == 1 && k_pages.stride(2) == D && k_pages.stride(1) == kv_heads * D, "pages must be contiguous inside");
+  const Float32Pages pages{k_pages.data_ptr<float>(), v_pages.data_ptr<float>(), k_pages.stride(0), kv_heads, D};
+  return attend(pages, q, block_table, first_pos, row_seq, row_pos, page_size, kv_heads, window, scale);
+}
+
+// One side's codes, scales and zeros checked against the format its codes' dtype names.
+CodedSide coded_side(const torch::Tensor& codes, const torch::Tensor& scales, const torch::Tensor& zeros, const char* side,
+                     int64_t pages, int64_t page_size, int64_t kv_heads, int64_t D) {
+  const bool four = codes.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(four || codes.scalar_type() == torch::kInt8, side,
+              "_codes: int8 (8-bit codes) or uint8 (two 4-bit codes a byte), got ", codes.scalar_type());
+  const std::string name(side);
+  check_page_view(codes, (name + "_codes").c_str(), codes.scalar_type(), pages, page_size, kv_heads, four ? D / 2 : D);
+  const int64_t groups = scales.dim() == 4 ? scales.size(3) : 0;
+  TORCH_CHECK(groups > 0 && D % groups == 0 && (D / groups) % 8 == 0, side,
+              "_scales: the last dim must be D / group with group a multiple of 8 channels");
+  check_page_view(scales, (name + "_scales").c_str(), torch::kHalf, pages, page_size, kv_heads, groups);
+  if (!four) {
+    TORCH_CHECK(zeros.numel() == 0, side, "_zeros: 8-bit codes are symmetric, zeros must be empty");
+    return {static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<at::Half>(), nullptr, codes.stride(0), scales.stride(0),
+            0, 8, groups};
+  }
+  check_page_view(zeros, (name + "_zeros").c_str(), torch::kHalf, pages, page_size, kv_heads, groups);
+  return {static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<at::Half>(), zeros.data_ptr<at::Half>(), codes.stride(0),
+          scales.stride(0), zeros.stride(0), 4, groups};
+}
+
+torch::Tensor paged_attention_coded(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_scales, torch::Tensor k_zeros,
+                                    torch::Tensor v_codes, torch::Tensor v_scales, torch::Tensor v_zeros,
+                                    torch::Tensor block_table, torch::Tensor first_pos, torch::Tensor row_seq,
+                                    torch::Tensor row_pos, int64_t window, double scale) {
+  TORCH_CHECK(k_codes.dim() == 4, "k_codes: expected [P, page_size, kv_heads, D or D / 2], got ", k_codes.sizes());
+  const int64_t pages = k_codes.size(0), page_size = k_codes.size(1), kv_heads = k_codes.size(2);
+  const int64_t D = check_query(q, page_size, kv_heads);
+  const CodedPages coded{coded_side(k_codes, k_scales, k_zeros, "k", pages, page_size, kv_heads, D),
+                         coded_side(v_codes, v_scales, v_zeros, "v", pages, page_size, kv_heads, D), page_size, kv_heads, D};
+  return attend(coded, q, block_table, first_pos, row_seq, row_pos, page_size, kv_heads, window, scale);
 }

@@ -205,6 +205,10 @@ torch::Tensor unpack(torch::Tensor w, c10::optional<torch::Tensor> scale, int64_
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor block_table,
                               torch::Tensor first_pos, torch::Tensor row_seq, torch::Tensor row_pos, int64_t window,
                               double scale);  // attention.cpp
+torch::Tensor paged_attention_coded(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_scales, torch::Tensor k_zeros,
+                                    torch::Tensor v_codes, torch::Tensor v_scales, torch::Tensor v_zeros,
+                                    torch::Tensor block_table, torch::Tensor first_pos, torch::Tensor row_seq,
+                                    torch::Tensor row_pos, int64_t window, double scale);  // attention.cpp
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset);  // norms.cpp
 std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(torch::Tensor qkv, c10::optional<torch::Tensor> norm_weight,
@@ -215,6 +219,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "fused RMSNorm (norms.cpp)");
   m.def("qk_norm_rope", &qk_norm_rope, "fused q/k head norms and rotary embedding (norms.cpp)");
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention (attention.cpp)");
+  m.def("paged_attention_coded", &paged_attention_coded, "paged attention over int8 / int4 coded pages (attention.cpp)");
   m.def("linear_f32", &linear_f32, "batch-invariant float32 linear (packed weights)");
   m.def("unpack", &unpack, "packed weights -> row-major float32");
   m.def("linear_int8", &linear_int8, "weight-only int8 linear (packed weights, per-row scales)");
