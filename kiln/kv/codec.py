@@ -37,7 +37,7 @@ from kiln.kv.layout import KVLayout
 CODECS = ("none", "int8", "int4")
 GROUP = 32  # channels one scale covers (KIVI's group size)
 FORMATS = {"none": (0, 0), "int8": (8, 8), "int4": (8, 4)}  # (key bits, value bits); 0 = the KV dtype as is
-_TINY = 1e-30  # floor for a scale: an all-zero row encodes to zeros, not NaN
+_TINY = 2**-24  # floor for a scale, the smallest float16 above zero: an all-zero group encodes to zeros, not NaN
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,10 @@ import torch
 
 from kiln.kv.codec import KVCodec, Segment
 from kiln.kv.layout import KVLayout
+from kiln.models.kernels import kernels
+from kiln.models.kernels import supported as kernels_supported
+
+_NO_ZEROS = torch.empty(0, dtype=torch.float16)  # 8-bit codes are symmetric
 
 
 class PageStorage:
@@ -25,6 +29,9 @@ class PageStorage:
         self.data = torch.zeros((num_pages, codec.page_nbytes), dtype=torch.uint8, device=device)
         # Views of each slot's K and V segments across the pool, built once: every layer of every step uses them.
         self._segments = [(codec.segment(self.data, 0, s), codec.segment(self.data, 1, s)) for s in range(layout.slots)]
+        # Coded rows are encoded by the C++ kernel where it runs (the same bytes as the codec's torch encoding,
+        # without its score of small operations per layer).
+        self._store_kernel = codec.name != "none" and self.data.device.type == "cpu" and kernels_supported()
 
     @property
     def device(self) -> torch.device:
@@ -53,7 +60,11 @@ class PageStorage:
     def write(self, slot: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Encode new K/V rows [N, kv_heads, head_dim] of one slot into (pages[i], offsets[i])."""
         for kind, (segment, x) in enumerate(zip(self._segments[slot], (k, v), strict=True)):
-            self.codec.store(segment, kind, (pages, offsets), x)
+            if self._store_kernel and segment.scales is not None:
+                zeros = _NO_ZEROS if segment.zeros is None else segment.zeros
+                kernels().store_coded(x.float().contiguous(), segment.codes, segment.scales, zeros, pages, offsets)
+            else:
+                self.codec.store(segment, kind, (pages, offsets), x)
 
     def read(self, slot: int, ids: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
         """K and V of one slot of pages `ids`, decoded into out (each [len(ids), page_size, kv_heads, head_dim])."""

@@ -7,6 +7,8 @@ import torch
 from kiln.errors import InvalidArgumentError
 from kiln.kv.codec import KVCodec
 from kiln.kv.layout import KVLayout
+from kiln.models.kernels import kernels
+from kiln.models.kernels import supported as kernels_supported
 
 LAYOUT = KVLayout(groups=(), slots=3, page_size=16, num_kv_heads=2, head_dim=64)
 
@@ -101,3 +103,23 @@ def test_unknown_codec_is_refused():
     with pytest.raises(InvalidArgumentError, match="kv_codec") as raised:
         KVCodec("zstd", LAYOUT, torch.float32)
     assert raised.value.param == "kv_codec"
+
+
+@pytest.mark.skipif(not kernels_supported(), reason="Kiln's CPU kernels need AVX2 and a C++ compiler")
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_the_store_kernel_writes_the_torch_encodings_bytes(name):
+    """kernels/kv_store.cpp encodes rows as the codec's torch path does, byte for byte (zero rows and
+    values below a float16 step included), into scattered (page, offset) places of a pool's views."""
+    codec = KVCodec(name, LAYOUT, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    places = torch.randperm(5 * 16, generator=gen)[:40]
+    pages, offsets = places // 16, places % 16
+    torch_pool, kernel_pool = (torch.zeros(5, codec.page_nbytes, dtype=torch.uint8) for _ in range(2))
+    for kind in range(2):
+        x = torch.randn(40, 2, 64, generator=gen) * torch.rand(40, 2, 1, generator=gen) * 5
+        x[3], x[4, 0, :32] = 0.0, 1e-9
+        codec.store(codec.segment(torch_pool, kind, 1), kind, (pages, offsets), x)
+        target = codec.segment(kernel_pool, kind, 1)
+        zeros = torch.empty(0, dtype=torch.float16) if target.zeros is None else target.zeros
+        kernels().store_coded(x, target.codes, target.scales, zeros, pages, offsets)
+    assert torch.equal(kernel_pool, torch_pool) and torch_pool.any()

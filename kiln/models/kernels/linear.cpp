@@ -210,6 +210,8 @@ torch::Tensor paged_attention_coded(torch::Tensor q, torch::Tensor k_codes, torc
                                     torch::Tensor block_table, torch::Tensor first_pos, torch::Tensor row_seq,
                                     torch::Tensor row_pos, int64_t window, double scale);  // attention.cpp
 
+void store_coded(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, torch::Tensor pages,
+                 torch::Tensor offsets);  // kv_store.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset);  // norms.cpp
 std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(torch::Tensor qkv, c10::optional<torch::Tensor> norm_weight,
                                                       double eps, double offset, torch::Tensor cos, torch::Tensor sin,
@@ -219,7 +221,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "fused RMSNorm (norms.cpp)");
   m.def("qk_norm_rope", &qk_norm_rope, "fused q/k head norms and rotary embedding (norms.cpp)");
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention (attention.cpp)");
-  m.def("paged_attention_coded", &paged_attention_coded, "paged attention over int8 / int4 coded pages (attention.cpp)");
+  m.def("paged_attention_coded", &paged_attention_coded, "paged attention over 8-bit / 4-bit coded pages (attention.cpp)");
+  m.def("store_coded", &store_coded, "new K/V rows encoded into coded pages (kv_store.cpp)");
   m.def("linear_f32", &linear_f32, "batch-invariant float32 linear (packed weights)");
   m.def("unpack", &unpack, "packed weights -> row-major float32");
   m.def("linear_int8", &linear_int8, "weight-only int8 linear (packed weights, per-row scales)");

@@ -1,0 +1,90 @@
+// Encoding a step's new K/V rows into coded KV pages (kiln/kv/codec.py's 8-bit and 4-bit formats).
+//
+// Why: the codec's torch encoding is some twenty small tensor operations per layer and side, which cost a
+// decode step more than the attention itself on a small model (a fifth of the step at 1k tokens of
+// history). This makes the same float32 operations in the same order, rounding included (scales to float16
+// round to nearest even, codes round half to even), so its bytes equal the torch encoding's.
+//
+// Layout: x [N, kv_heads, D] float32 rows; codes a view [P, page_size, kv_heads, D] int8 (symmetric 8-bit,
+// value = code * scale) or [..., D / 2] uint8 (4-bit, two a byte, even channel in the low nibble, value =
+// code * scale + zero); scales (and zeros for 4 bits) float16 [P, page_size, kv_heads, G], one per group
+// of D / G channels; any page stride, contiguous inside a page. Row n goes to (pages[n], offsets[n]).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace {
+
+constexpr float kTinyScale = 5.9604645e-08f;  // 2^-24, the smallest float16 above zero (codec.py's floor)
+
+inline float to_half_and_back(float x, at::Half* out) {
+  const uint16_t bits = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+  out->x = bits;
+  return _cvtsh_ss(bits);
+}
+
+void encode_8bit(const float* x, int64_t D, int64_t group, int8_t* codes, at::Half* scales) {
+  for (int64_t begin = 0, g = 0; begin < D; begin += group, ++g) {
+    float top = 0.0f;
+    for (int64_t d = begin; d < begin + group; ++d) top = std::max(top, std::fabs(x[d]));
+    const float scale = to_half_and_back(std::max(top / 127.0f, kTinyScale), &scales[g]);
+    for (int64_t d = begin; d < begin + group; ++d)
+      codes[d] = static_cast<int8_t>(std::clamp(std::nearbyint(x[d] / scale), -127.0f, 127.0f));
+  }
+}
+
+void encode_4bit(const float* x, int64_t D, int64_t group, uint8_t* codes, at::Half* scales, at::Half* zeros) {
+  for (int64_t begin = 0, g = 0; begin < D; begin += group, ++g) {
+    float low = x[begin], high = x[begin];
+    for (int64_t d = begin; d < begin + group; ++d) low = std::min(low, x[d]), high = std::max(high, x[d]);
+    const float zero = to_half_and_back(low, &zeros[g]);
+    const float scale = to_half_and_back(std::max((high - zero) / 15.0f, kTinyScale), &scales[g]);
+    for (int64_t d = begin; d < begin + group; d += 2) {
+      const auto code = [&](int64_t c) { return static_cast<uint8_t>(std::clamp(std::nearbyint((x[c] - zero) / scale), 0.0f, 15.0f)); };
+      codes[d / 2] = static_cast<uint8_t>(code(d) | (code(d + 1) << 4));
+    }
+  }
+}
+
+}  // namespace
+
+void store_coded(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, torch::Tensor pages,
+                 torch::Tensor offsets) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x: contiguous float32 [N, kv_heads, D]");
+  const bool four = codes.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(four || codes.scalar_type() == torch::kInt8, "codes: int8 (8-bit) or uint8 (two 4-bit codes a byte)");
+  const int64_t N = x.size(0), kv_heads = x.size(1), D = x.size(2), groups = scales.size(-1);
+  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == kv_heads && codes.size(3) == (four ? D / 2 : D) && codes.stride(3) == 1 &&
+              codes.stride(2) == codes.size(3) && codes.stride(1) == kv_heads * codes.size(3), "codes: [P, page_size, kv_heads, D or D / 2], contiguous inside a page");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.dim() == 4 && groups > 0 && D % groups == 0 && (D / groups) % 2 == 0 &&
+              scales.stride(3) == 1 && scales.stride(2) == groups && scales.stride(1) == kv_heads * groups,
+              "scales: float16 [P, page_size, kv_heads, G], contiguous inside a page");
+  TORCH_CHECK(!four || (zeros.sizes() == scales.sizes() && zeros.strides() == scales.strides() && zeros.scalar_type() == torch::kHalf),
+              "zeros: float16 like the scales (4-bit codes)");
+  auto page_of = pages.to(torch::kLong).contiguous(), offset_of = offsets.to(torch::kLong).contiguous();
+  TORCH_CHECK(page_of.numel() == N && offset_of.numel() == N, "pages, offsets: one per row");
+  const int64_t* page = page_of.data_ptr<int64_t>();
+  const int64_t* offset = offset_of.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n)
+    TORCH_CHECK(page[n] >= 0 && page[n] < codes.size(0) && offset[n] >= 0 && offset[n] < codes.size(1), "row ", n, " lies outside the pages");
+  const float* xp = x.data_ptr<float>();
+  auto* code_base = static_cast<uint8_t*>(codes.data_ptr());
+  auto* scale_base = scales.data_ptr<at::Half>();
+  auto* zero_base = four ? zeros.data_ptr<at::Half>() : nullptr;
+  const int64_t group = D / groups;
+  at::parallel_for(0, N * kv_heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t n = r / kv_heads, h = r % kv_heads;
+      uint8_t* row_codes = code_base + page[n] * codes.stride(0) + offset[n] * codes.stride(1) + h * codes.stride(2);
+      at::Half* row_scales = scale_base + page[n] * scales.stride(0) + offset[n] * scales.stride(1) + h * groups;
+      if (four)
+        encode_4bit(xp + r * D, D, group, row_codes, row_scales,
+                    zero_base + page[n] * zeros.stride(0) + offset[n] * zeros.stride(1) + h * groups);
+      else
+        encode_8bit(xp + r * D, D, group, reinterpret_cast<int8_t*>(row_codes), row_scales);
+    }
+  });
+}
