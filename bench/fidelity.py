@@ -14,7 +14,7 @@ needle recall per context length, perplexity delta, sustained and per-step peak 
   transient attention buffers any step of the sample accounted (gathered or streamed K/V, scores,
   online-softmax state; kiln/models/streamed_attention.py and attention.py), a separate claim.
 - a long session: `--session-tokens` of filler appended in 1024-token turns (one generated token
-  each), resident KV bytes after every turn, for full / sink_window / restore.
+  each), resident KV bytes after every turn, for the `--sessions` policy/codec pairs.
 - perplexity: teacher-forced over the first `--ppl-tokens` tokens of bench/data/perplexity.txt through
   the engine's pieces (KV cache with tiers, ModelRunner) in `--ppl-chunk`-token steps.
 
@@ -38,11 +38,11 @@ from kiln import LLM
 from kiln.engine.runner import ModelRunner
 from kiln.engine.sequence import Sequence
 from kiln.kv.cache import KVCache
-from kiln.kv.codec import KVCodec
+from kiln.kv.codec import CODECS, KVCodec
 from kiln.kv.format import KVFormat, dtype_name
 from kiln.kv.layout import KVLayout
 from kiln.kv.pages import PageTable
-from kiln.kv.policy import KVPolicy
+from kiln.kv.policy import POLICIES, KVPolicy
 from kiln.kv.tiers import PageTiers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,7 +136,7 @@ def long_session(llm: LLM, policy: str, args: argparse.Namespace) -> list[dict[s
                        "global_kv_bytes": info.global_kv_bytes,
                        "tier_bytes": info.host_tier_bytes + info.disk_tier_bytes})
     session.close()
-    print(policy, "long session", points[-1], flush=True)
+    print(policy, llm.config.kv_codec, "long session", points[-1], flush=True)
     return points
 
 
@@ -163,6 +163,11 @@ def main() -> None:
     parser.add_argument("--session-tokens", type=int, default=16384)
     parser.add_argument("--ppl-tokens", type=int, default=2048)
     parser.add_argument("--ppl-chunk", type=int, default=256)
+    parser.add_argument("--configs", type=lambda text: text.split(","), default=[f"{p}/{c}" for c in CODECS for p in POLICIES],
+                        help="policy/codec pairs to measure (default: all); the others are recorded as not run")
+    parser.add_argument("--sessions", type=lambda text: text.split(","),
+                        default=["full/none", "sink_window/none", "restore/none", "full/int8", "restore/int8"],
+                        help="policy/codec pairs whose long session is measured")
     args = common.parse_run_args(parser, "fidelity", "rungs 512,1024, 3 samples, 2048-token session, 512 perplexity tokens",
                                  lambda a: vars(a).update(rungs=[512, 1024], samples=3, session_tokens=2048, ppl_tokens=512))
     _, machine, loaded = common.start("kiln")
@@ -171,16 +176,19 @@ def main() -> None:
     sessions: dict[str, Any] = {}
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as disk:
-        for codec in ("none", "int8", "int4"):
+        for codec in CODECS:
             with LLM(loaded=loaded, kv_codec=codec, speculative=None, kv_budget_bytes=1024**3, kv_disk_dir=disk,
                      kv_host_budget_mb=256, prefill_chunk_tokens=1024, num_threads=common.THREADS) as llm:
-                for policy in ("full", "sink_window", "restore"):
+                for policy in POLICIES:
                     key = f"{policy}/{codec}"
+                    if key not in args.configs:
+                        results[key] = {"not_run": "left out of --configs (for time)"}
+                        continue
                     bounded = KVPolicy.create(policy, args.sink, args.window, llm.config.page_size, llm.engine.max_model_len)
                     results[key] = {"ladder": ladder(llm, policy, args),
                                     "perplexity": perplexity(llm, bounded, codec, ppl_tokens, args.ppl_chunk)}
-                    if codec == "none":
-                        sessions[policy] = long_session(llm, policy, args)
+                    if key in args.sessions:
+                        sessions[key] = long_session(llm, policy, args)
     reference = results["full/none"]["perplexity"]
     for key, entry in results.items():
         if "perplexity" in entry:
