@@ -37,8 +37,9 @@ class KVSlice:
                   i * page_size .. (i + 1) * page_size - 1).
     tiered:       per KV group, (page index, tier key) of the pages it also reads from a tier (a
                   `restore` policy), in position order, all before the listed pages' new tokens.
-    stream:       attend chunk by chunk (kiln/models/streamed_attention.py) even with nothing in a tier:
-                  a `restore` sequence's step memory stays bounded by the chunk, whatever it holds.
+    stream:       attend global layers chunk by chunk (kiln/models/streamed_attention.py) even with
+                  nothing in a tier: a `restore` sequence's step memory stays bounded by the chunk,
+                  whatever it holds.
     """
 
     start: int
@@ -88,9 +89,10 @@ class Workspace:
 
 
 class KVStep:
-    """`streamed`: some sequence reads pages from a tier, so attention takes the streamed path
-    (kiln/models/streamed_attention.py), `stream_pages` pages at a time, reading them from `tiers`.
-    `peak_bytes` is the largest transient attention buffer set one layer of this step held (bytes),
+    """`streams(layer)`: some sequence reads that layer's pages from a tier (or is a `restore` sequence
+    and the layer global), so the layer takes the streamed path (kiln/models/streamed_attention.py),
+    `stream_pages` pages at a time, reading them from `tiers`; sliding-window layers, bounded by their
+    window, attend as usual. `peak_bytes` is the largest transient attention buffer set one layer of this step held (bytes),
     accounted by whichever attention path ran."""
 
     def __init__(
@@ -105,7 +107,10 @@ class KVStep:
         self.slices = slices
         self.tiers = tiers
         self.stream_pages = stream_pages
-        self.streamed = any(s.stream or any(s.tiered) for s in slices)
+        self._streamed_groups = {
+            g for g, group in enumerate(self.layout.groups)
+            if any((g < len(s.tiered) and s.tiered[g]) or (s.stream and group.window is None) for s in slices)
+        }
         self.peak_bytes = 0
         self.layer_slots = storage.layer_slots
         device = storage.device
@@ -136,6 +141,9 @@ class KVStep:
                 offsets.append(position % ps)
         return _GroupStep(torch.tensor(pages, device=device), torch.tensor(offsets, device=device), block_table, first_pos,
                           query_pos, self.layout.groups[g].window, ps)
+
+    def streams(self, layer: int) -> bool:
+        return self.layer_slots[layer][0] in self._streamed_groups
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the step's new K/V of one layer: k, v [N, kv_heads, head_dim]."""

@@ -50,7 +50,7 @@ class AttentionBatch:
 
     @classmethod
     def for_lengths(cls, lengths: list[int], kv: KVStep, batch_invariant: bool = False, kernel_attention: bool = False) -> AttentionBatch:
-        if not kv.streamed and (batch_invariant or (kernel_attention and max(lengths) <= IN_PLACE_MAX_ROWS)):
+        if batch_invariant or (kernel_attention and max(lengths) <= IN_PLACE_MAX_ROWS):
             return cls(None, None, kv, in_place=True)
         if len(lengths) == 1:
             return cls(None, None, kv)
@@ -67,7 +67,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [N, heads, head_dim]; k, v: [N, kv_heads, head_dim] (after RoPE/norms). Returns [N, heads, head_dim]."""
     batch.kv.write(layer, k, v)
-    if batch.kv.streamed:  # a `restore` sequence (pages in a tier): chunk by chunk, whatever else the step holds
+    if batch.kv.streams(layer):  # a `restore` sequence's global layer: chunk by chunk, whatever else the step holds
         return streamed_attention(q, layer, batch.kv, scale)
     if batch.in_place:
         return _in_place_attention(q, layer, batch.kv, scale)

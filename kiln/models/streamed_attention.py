@@ -1,7 +1,8 @@
 """Streamed attention: exact attention over pages that are partly resident and partly in a tier.
 
-Used for every step that holds a `restore` sequence (whether or not its pages are in a tier yet, so its
-step memory is bounded by the chunk either way). Per sequence, its keys are visited in chunks of
+Used for the global layers of every step that holds a `restore` sequence (whether or not its pages are in
+a tier yet, so its step memory is bounded by the chunk either way; sliding-window layers are bounded by
+their window and attend as usual). Per sequence, its keys are visited in chunks of
 `KVStep.stream_pages` pages (resident pages gathered from the pool, tier pages read from their tier,
 both decoded by the codec into float32 buffers, a chunk at once) and the partial results are merged
 with the online softmax (running max, running sum, rescaled accumulator: FlashAttention's recurrence). The transient

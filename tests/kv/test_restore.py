@@ -64,7 +64,11 @@ class Harness:
         for n in chunks:
             assert self.cache.ensure(seq.table, seq.num_computed + n)
             inputs = self.runner.prepare([Chunk(seq, n, logit_rows=n)])
-            self.streamed_steps += inputs.attention.kv.streamed
+            kv = inputs.attention.kv
+            streams = [kv.streams(layer) for layer in range(len(kv.layer_slots))]
+            # Only global layers stream; sliding-window ones attend as usual (bounded by their window).
+            assert all(not streamed for layer, streamed in enumerate(streams) if self.cache.layout.groups[kv.layer_slots[layer][0]].window)
+            self.streamed_steps += any(streams)
             out.append(self.runner.run(inputs))
             seq.num_computed += n
             self.cache.commit(seq.table, seq.tokens, seq.num_computed)
