@@ -46,8 +46,8 @@ class KVCache:
         self, layout: KVLayout, num_pages: int, codec: KVCodec, device: str | torch.device, kv_format: KVFormat,
         tiers: PageTiers | None = None,
     ) -> None:
-        if tiers is not None and tiers.codec.page_nbytes != codec.page_nbytes:
-            raise ValueError("the tiers hold pages in the pool's codec")
+        if tiers is not None and (tiers.codec.name, tiers.codec.page_nbytes) != (codec.name, codec.page_nbytes):
+            raise ValueError("the tiers must hold pages in the pool's codec: they move its bytes as they are")
         self.layout = layout
         self.tiers = tiers
         self.storage = PageStorage(layout, num_pages, codec, device)
