@@ -18,8 +18,8 @@ needle recall per context length, perplexity delta, sustained and per-step peak 
 - perplexity: teacher-forced over the first `--ppl-tokens` tokens of bench/data/perplexity.txt through
   the engine's pieces (KV cache with tiers, ModelRunner) in `--ppl-chunk`-token steps.
 
-Writes bench/results/fidelity.json and .png. `--quick`: rungs 512,1024, 3 samples, 2048-token session,
-512 perplexity tokens.
+Writes bench/results/fidelity.json and .png and prints the trade-off table. `--quick`: rungs 512,1024,
+3 samples, 2048-token session, 512 perplexity tokens.
 """
 
 from __future__ import annotations
@@ -203,7 +203,30 @@ def main() -> None:
         "long_session": sessions,
     }
     print("wrote", common.write_results(args.name, payload))
+    print(table(results, [str(r) for r in args.rungs]))
     plot(args.name, results, sessions, args)
+
+
+def table(results: dict[str, Any], rungs: list[str]) -> str:
+    """The trade-off table (markdown): recall and decode tokens/s per rung, perplexity against full, and
+    at the last rung the resident, tier and per-step peak bytes."""
+    last, reference = rungs[-1], results["full/none"]["ladder"][rungs[-1]]["decode_tokens_per_s"]["median"]
+    lines = [f"| policy / codec | recall {' / '.join(rungs)} | perplexity vs full | global KV resident | every layer | "
+             f"tier bytes | decode tok/s {' / '.join(rungs)} | vs full | per-step peak |", "|---|---|---|---|---|---|---|---|---|"]
+    for key, entry in results.items():
+        if "ladder" not in entry:
+            lines.append(f"| {key} | not run: {entry['not_run']} |")
+            continue
+        rung = entry["ladder"]
+        speed = [rung[r]["decode_tokens_per_s"]["median"] for r in rungs]
+        recall = " / ".join(f"{rung[r]['recall']:.1f}" for r in rungs)
+        lines.append(
+            f"| {key} | {recall} | {entry['perplexity_vs_full']:+.2%} | "
+            f"{rung[last]['sustained_global_kv_bytes'] / 1e6:.2f} MB | {rung[last]['sustained_kv_bytes'] / 1e6:.1f} MB | "
+            f"{rung[last]['tier_bytes'] / 1e6:.1f} MB | {' / '.join(f'{v:.1f}' for v in speed)} | {speed[-1] / reference:.2f}x | "
+            f"{rung[last]['step_peak_attention_bytes'] / 1e6:.0f} MB |"
+        )
+    return "\n".join([f"at {last} context tokens:", *lines])
 
 
 def plot(name: str, results: dict[str, Any], sessions: dict[str, Any], args: argparse.Namespace) -> None:
