@@ -15,8 +15,6 @@ from kiln.kv.layout import KVLayout
 from kiln.models.kernels import kernels
 from kiln.models.kernels import supported as kernels_supported
 
-_NO_ZEROS = torch.empty(0, dtype=torch.float16)  # 8-bit codes are symmetric
-
 
 class PageStorage:
     def __init__(self, layout: KVLayout, num_pages: int, codec: KVCodec, device: str | torch.device) -> None:
@@ -61,8 +59,7 @@ class PageStorage:
         """Encode new K/V rows [N, kv_heads, head_dim] of one slot into (pages[i], offsets[i])."""
         for kind, (segment, x) in enumerate(zip(self._segments[slot], (k, v), strict=True)):
             if self._store_kernel and segment.scales is not None:
-                zeros = _NO_ZEROS if segment.zeros is None else segment.zeros
-                kernels().store_coded(x.float().contiguous(), segment.codes, segment.scales, zeros, pages, offsets)
+                kernels().store_coded(x.float().contiguous(), *segment.kernel_parts(), pages, offsets)
             else:
                 self.codec.store(segment, kind, (pages, offsets), x)
 

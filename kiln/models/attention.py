@@ -97,9 +97,7 @@ def _in_place_attention(q: torch.Tensor, layer: int, kv: KVStep, scale: float) -
     kv.note_bytes(query.numel() * query.element_size() * chunks)  # its partial softmax states, at most
     if k.scales is None:
         return kernels().paged_attention(query, k.codes, v.codes, *tail)
-    none = torch.empty(0, dtype=torch.float16)
-    return kernels().paged_attention_coded(query, k.codes, k.scales, none if k.zeros is None else k.zeros, v.codes, v.scales,
-                                           none if v.zeros is None else v.zeros, *tail)
+    return kernels().paged_attention_coded(query, *k.kernel_parts(), *v.kernel_parts(), *tail)
 
 
 def _decode_attention(

@@ -2,13 +2,12 @@
 
 Used for the global layers of every step that holds a `restore` sequence (whether or not its pages are in
 a tier yet, so its step memory is bounded by the chunk either way; sliding-window layers are bounded by
-their window and attend as usual). Per sequence, its keys are visited in chunks of
-`KVStep.stream_pages` pages (resident pages gathered from the pool, tier pages read from their tier,
-both decoded by the codec into float32 buffers, a chunk at once) and the partial results are merged
-with the online softmax (running max, running sum, rescaled accumulator: FlashAttention's recurrence). The transient
-memory of a layer is bounded by one chunk, not by the history: `KVStep.peak_bytes` records it.
-With the identity codec the result equals full attention up to float rounding (a different summation
-order).
+their window and attend as usual). Per sequence, its keys are visited in chunks of `KVStep.stream_pages`
+pages (resident pages gathered from the pool, tier pages read from their tier, both decoded by the codec
+into float32 buffers, a chunk at once) and the partial results are merged with the online softmax
+(running max, running sum, rescaled accumulator: FlashAttention's recurrence). The transient memory of a
+layer is bounded by one chunk, not by the history: `KVStep.peak_bytes` records it. With the identity
+codec the result equals full attention up to float rounding (a different summation order).
 """
 
 from __future__ import annotations
