@@ -461,7 +461,9 @@ class Engine:
         plain = [i for i, c in enumerate(chunks) if not c.draft]
         results: list[list[Sampled] | Exception] = [[] for _ in chunks]
         if plain:
-            sampled = self._sample_plain(logits[[starts[i] for i in plain]], [chunks[i].request for i in plain])
+            # Every row a plain chunk's (no drafts in the step): the logits as they are, no 1 MB-per-row copy.
+            rows = logits if len(plain) == len(logits) else logits[[starts[i] for i in plain]]
+            sampled = self._sample_plain(rows, [chunks[i].request for i in plain])
             for i, result in zip(plain, sampled, strict=True):
                 results[i] = result if isinstance(result, Exception) else [result]
         for i, chunk in enumerate(chunks):

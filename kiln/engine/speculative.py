@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.engine.sampler import Sampler, SamplingParams
+from kiln.engine.sampler import Sampler, SamplingParams, argmax
 from kiln.engine.sequence import Request, Sequence
 
 MIN_NGRAM, MAX_NGRAM = 2, 4  # one repeated token predicts little; longer matches are tried first
@@ -100,7 +100,7 @@ def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, sampl
     """logits [len(draft) + 1, vocab]: row i follows the draft's first i tokens. Returns the accepted
     draft prefix and one more token from the model (at least one token, at most len(draft) + 1)."""
     if params.greedy:
-        best = logits.argmax(dim=-1).tolist()
+        best = argmax(logits).tolist()
         accepted = next((i for i, token in enumerate(draft) if best[i] != token), len(draft))
         return [*draft[:accepted], best[accepted]]
     out: list[int] = []

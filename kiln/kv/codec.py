@@ -37,7 +37,7 @@ from kiln.kv.layout import KVLayout
 CODECS = ("none", "int8", "int4")
 GROUP = 32  # channels one scale covers (KIVI's group size)
 FORMATS = {"none": (0, 0), "int8": (8, 8), "int4": (8, 4)}  # (key bits, value bits); 0 = the KV dtype as is
-_NO_ZEROS = torch.empty(0, dtype=torch.float16)  # 8-bit codes are symmetric
+_NONE = torch.empty(0, dtype=torch.float16)  # what the kernels take for scales of raw pages, zeros of 8-bit codes
 _TINY = 2**-24  # floor for a scale, the smallest float16 above zero: an all-zero group encodes to zeros, not NaN
 
 
@@ -56,8 +56,8 @@ class Segment:
         return self.codes, self.scales, self.zeros
 
     def kernel_parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """codes, scales, zeros of a coded segment as the C++ kernels take them (no zeros: an empty tensor)."""
-        return self.codes, self.scales, _NO_ZEROS if self.zeros is None else self.zeros  # type: ignore[return-value]
+        """codes, scales, zeros as the C++ kernels take them (an empty tensor for a part the format lacks)."""
+        return self.codes, _NONE if self.scales is None else self.scales, _NONE if self.zeros is None else self.zeros
 
     def select(self, ids: torch.Tensor) -> Segment:
         """The same segment of pages `ids` only (copies)."""

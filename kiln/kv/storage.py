@@ -27,9 +27,9 @@ class PageStorage:
         self.data = torch.zeros((num_pages, codec.page_nbytes), dtype=torch.uint8, device=device)
         # Views of each slot's K and V segments across the pool, built once: every layer of every step uses them.
         self._segments = [(codec.segment(self.data, 0, s), codec.segment(self.data, 1, s)) for s in range(layout.slots)]
-        # Coded rows are encoded by the C++ kernel where it runs (the same bytes as the codec's torch encoding,
-        # without its score of small operations per layer).
-        self._store_kernel = codec.name != "none" and self.data.device.type == "cpu" and kernels_supported()
+        # New rows are stored (and encoded) by the C++ kernel where it runs: the same bytes as the codec's torch
+        # path, without its handful (raw) or score (coded) of small operations per layer.
+        self._store_kernel = self.data.device.type == "cpu" and codec.read_dtype == torch.float32 and kernels_supported()
 
     @property
     def device(self) -> torch.device:
@@ -58,8 +58,8 @@ class PageStorage:
     def write(self, slot: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Encode new K/V rows [N, kv_heads, head_dim] of one slot into (pages[i], offsets[i])."""
         for kind, (segment, x) in enumerate(zip(self._segments[slot], (k, v), strict=True)):
-            if self._store_kernel and segment.scales is not None:
-                kernels().store_coded(x.float().contiguous(), *segment.kernel_parts(), pages, offsets)
+            if self._store_kernel:
+                kernels().store_kv(x.float().contiguous(), *segment.kernel_parts(), pages, offsets)
             else:
                 self.codec.store(segment, kind, (pages, offsets), x)
 

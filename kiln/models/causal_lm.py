@@ -14,7 +14,7 @@ from torch import nn
 from kiln.errors import InvalidArgumentError
 from kiln.models.config import ModelConfig
 from kiln.models.kernels import kernels
-from kiln.models.layers import Attention, HFSource, RMSNorm
+from kiln.models.layers import Attention, GatedMLP, HFSource, RMSNorm
 from kiln.models.quant import QuantizedLinear
 
 
@@ -79,10 +79,10 @@ class CausalLM(nn.Module):
         self._head_t = None
 
     def use_kernels(self) -> None:
-        """Compute norms and q/k norms + RoPE with Kiln's fused CPU kernels (kernels/norms.cpp) from now on:
-        float32 on a CPU the kernels support. Decode of a small model is dominated by per-op overhead
-        there, and these replace about twenty ops per layer; results agree with the op-by-op path to
-        float rounding. Widths the kernels do not take (norms not a multiple of 8 wide, heads not a
+        """Compute norms (with their residual adds), q/k norms + RoPE and the MLP's gated activation with
+        Kiln's fused CPU kernels (kernels/norms.cpp, activations.cpp) from now on: float32 on a CPU the
+        kernels support. Decode of a small model is dominated by per-op overhead there, and these replace
+        about twenty-five ops per layer; results agree with the op-by-op path to float rounding. Widths the kernels do not take (norms not a multiple of 8 wide, heads not a
         multiple of 16) keep the op-by-op path."""
         kernels()  # built (or loaded) now, not inside the first request
         for module in self.modules():
@@ -90,6 +90,8 @@ class CausalLM(nn.Module):
                 module.fused = module.weight.ndim == 1 and module.weight.shape[0] % 8 == 0
             elif isinstance(module, Attention):
                 module.fused = module.head_dim % 16 == 0
+            elif isinstance(module, GatedMLP):
+                module.fused = True  # the kernel takes every activation of layers.ACTIVATIONS
 
     def _transposed_head(self, weight: torch.Tensor) -> torch.Tensor:
         cached = self._head_t

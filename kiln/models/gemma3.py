@@ -17,7 +17,7 @@ from kiln.models.attention import AttentionBatch
 from kiln.models.causal_lm import CausalLM, Decoder
 from kiln.models.config import ModelConfig
 from kiln.models.hf_config import GEMMA3_LOCAL_ROPE_THETA
-from kiln.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from kiln.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, add_normed
 
 
 class Gemma3Block(nn.Module):
@@ -34,8 +34,9 @@ class Gemma3Block(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, batch))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        x, h = add_normed(x, attended, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+        return add_normed(x, self.mlp(h), self.post_feedforward_layernorm, None)[0]
 
 
 class Gemma3(CausalLM):

@@ -66,6 +66,23 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+def add_normed(
+    x: torch.Tensor, y: torch.Tensor, y_norm: RMSNorm | None, out_norm: RMSNorm | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The residual stream after a sublayer, x + y_norm(y) (x + y without a norm), and out_norm of it (the
+    next sublayer's input; None without a norm); at least one of the norms is given. One C++ call when the
+    norms are fused: a decode step of a small model pays more for separate adds and norms' dispatch than
+    for their arithmetic."""
+    if (y_norm is None or y_norm.fused) and (out_norm is None or out_norm.fused):
+        return kernels().residual_norm(x, y, *_norm_args(y_norm), *_norm_args(out_norm))
+    total = x + (y if y_norm is None else y_norm(y))
+    return total, None if out_norm is None else out_norm(total)
+
+
+def _norm_args(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float, float]:
+    return (None, 0.0, 0.0) if norm is None else (norm.weight, norm.eps, float(norm.offset))
+
+
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """[head_dim / 2] fp32 inverse frequencies on the CPU, bit-identical to transformers' rope init."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
@@ -129,12 +146,17 @@ class GatedMLP(nn.Module):
             raise InvalidArgumentError(
                 f"unsupported activation {activation!r}; supported: {sorted(ACTIVATIONS)}"
             )
+        self.activation = activation
         self.act = ACTIVATIONS[activation]
+        self.fused = False  # act(gate) * up in one C++ call (kernels/activations.cpp); see CausalLM.use_kernels
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(kernels().gated_activation(gate_up, self.activation))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
     def hf_sources(self) -> dict[str, tuple[HFSource, ...]]:
@@ -171,12 +193,11 @@ class Attention(nn.Module):
         """x: [N, hidden]; cos/sin from RotaryEmbedding for these N rows. Returns [N, hidden]."""
         n = x.shape[0]
         qkv = self.qkv_proj(x).view(n, -1, self.head_dim)
-        qk, v = qkv.split([self.heads + self.kv_heads, self.kv_heads], dim=1)
         if self.fused:  # reads q and k out of qkv itself
-            norm = self.qk_norm
-            q, k = kernels().qk_norm_rope(qkv, None if norm is None else norm.weight, norm.eps if norm else 0.0,
-                                          float(norm is not None and norm.offset), cos.view(n, -1), sin.view(n, -1), self.heads)
+            q, k = kernels().qk_norm_rope(qkv, *_norm_args(self.qk_norm), cos.view(n, -1), sin.view(n, -1), self.heads)
+            v = qkv[:, self.heads + self.kv_heads :]
         else:
+            qk, v = qkv.split([self.heads + self.kv_heads, self.kv_heads], dim=1)
             q, k = apply_rotary(qk if self.qk_norm is None else self.qk_norm(qk), cos, sin).split([self.heads, self.kv_heads], dim=1)
         out = paged_attention(q, k, v, self.layer, batch, self.scale)
         return self.o_proj(out.reshape(n, self.heads * self.head_dim))

@@ -13,7 +13,7 @@ from torch import nn
 from kiln.models.attention import AttentionBatch
 from kiln.models.causal_lm import CausalLM, Decoder
 from kiln.models.config import ModelConfig
-from kiln.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
+from kiln.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, add_normed
 
 
 class LlamaBlock(nn.Module):
@@ -27,8 +27,8 @@ class LlamaBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = add_normed(x, self.self_attn(self.input_layernorm(x), cos, sin, batch), None, self.post_attention_layernorm)
+        return x + self.mlp(h)
 
 
 class Llama(CausalLM):

@@ -106,10 +106,11 @@ def test_unknown_codec_is_refused():
 
 
 @pytest.mark.skipif(not kernels_supported(), reason="Kiln's CPU kernels need AVX2 and a C++ compiler")
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["none", "int8", "int4"])
 def test_the_store_kernel_writes_the_torch_encodings_bytes(name):
-    """kernels/kv_store.cpp encodes rows as the codec's torch path does, byte for byte (zero rows and
-    values below a float16 step included), into scattered (page, offset) places of a pool's views."""
+    """kernels/kv_store.cpp stores rows as the codec's torch path does, byte for byte (raw float32 pages, and
+    codes with zero rows and values below a float16 step), into scattered (page, offset) places of a pool's
+    views."""
     codec = KVCodec(name, LAYOUT, torch.float32)
     gen = torch.Generator().manual_seed(0)
     places = torch.randperm(5 * 16, generator=gen)[:40]
@@ -120,6 +121,5 @@ def test_the_store_kernel_writes_the_torch_encodings_bytes(name):
         x[3], x[4, 0, :32] = 0.0, 1e-9
         codec.store(codec.segment(torch_pool, kind, 1), kind, (pages, offsets), x)
         target = codec.segment(kernel_pool, kind, 1)
-        zeros = torch.empty(0, dtype=torch.float16) if target.zeros is None else target.zeros
-        kernels().store_coded(x, target.codes, target.scales, zeros, pages, offsets)
+        kernels().store_kv(x, *target.kernel_parts(), pages, offsets)
     assert torch.equal(kernel_pool, torch_pool) and torch_pool.any()

@@ -1,4 +1,5 @@
-"""Kiln's C++ CPU kernels (linear.cpp, attention.cpp, norms.cpp, kv_store.cpp), compiled on first use with the machine's C++ compiler.
+"""Kiln's C++ CPU kernels (linear.cpp, attention.cpp, norms.cpp, activations.cpp, argmax.cpp, kv_store.cpp),
+compiled on first use with the machine's C++ compiler.
 
 The build lands in PyTorch's extension directory ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions)
 under a name with a digest of the sources, the compiler flags and the PyTorch version, so it happens
@@ -20,7 +21,10 @@ import torch
 
 from kiln.errors import UnavailableError
 
-SOURCES = [Path(__file__).with_name(name) for name in ("linear.cpp", "attention.cpp", "norms.cpp", "kv_store.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("linear.cpp", "attention.cpp", "norms.cpp", "activations.cpp", "argmax.cpp", "kv_store.cpp")
+]
 HEADERS = [Path(__file__).with_name("pool.h")]  # in the digest too: a changed header rebuilds
 # -ffp-contract=off: the compiler must not fuse a multiply and an add on its own, which it may do in one
 # inlined copy of a loop and not in another; the kernels' results must not depend on which copy ran.
@@ -39,7 +43,8 @@ def supported() -> bool:
 @functools.cache
 def kernels() -> ModuleType:
     """The compiled extension: linear_f32, linear_int8, unpack (linear.cpp), paged_attention,
-    paged_attention_coded (attention.cpp), rms_norm, qk_norm_rope (norms.cpp), store_coded (kv_store.cpp)."""
+    paged_attention_coded (attention.cpp), rms_norm, residual_norm, qk_norm_rope (norms.cpp), gated_activation
+    (activations.cpp), argmax_rows (argmax.cpp), store_kv (kv_store.cpp)."""
     if not supported():
         raise UnavailableError(
             f"Kiln's CPU kernels need AVX2 and FMA; this CPU reports {torch.backends.cpu.get_cpu_capability()}"

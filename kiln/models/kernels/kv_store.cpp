@@ -1,20 +1,25 @@
-// Encoding a step's new K/V rows into coded KV pages (kiln/kv/codec.py's 8-bit and 4-bit formats).
+// Storing a step's new K/V rows into KV pages: raw float32, or encoded (kiln/kv/codec.py's 8-bit and 4-bit
+// formats).
 //
 // Why: the codec's torch encoding is some twenty small tensor operations per layer and side, which cost a
 // decode step more than the attention itself on a small model (a fifth of the step at 1k tokens of
 // history). This makes the same float32 operations in the same order, rounding included (scales to float16
 // round to nearest even, codes round half to even), so its bytes equal the torch encoding's.
 //
-// Layout: x [N, kv_heads, D] float32 rows; codes a view [P, page_size, kv_heads, D] int8 (symmetric 8-bit,
-// value = code * scale) or [..., D / 2] uint8 (4-bit, two a byte, even channel in the low nibble, value =
-// code * scale + zero); scales (and zeros for 4 bits) float16 [P, page_size, kv_heads, G], one per group
-// of D / G channels; any page stride, contiguous inside a page. Row n goes to (pages[n], offsets[n]).
+// Raw pages go through here too: two index_put calls per layer cost a decode step 0.5 ms.
+//
+// Layout: x [N, kv_heads, D] float32 rows; codes a view [P, page_size, kv_heads, D] float32 (raw: rows copied
+// as they are, scales and zeros empty), int8 (symmetric 8-bit, value = code * scale) or [..., D / 2] uint8
+// (4-bit, two a byte, even channel in the low nibble, value = code * scale + zero); scales (and zeros for 4
+// bits) float16 [P, page_size, kv_heads, G], one per group of D / G channels; any page stride, contiguous
+// inside a page. Row n goes to (pages[n], offsets[n]).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "pool.h"
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace {
 
@@ -51,16 +56,16 @@ void encode_4bit(const float* x, int64_t D, int64_t group, uint8_t* codes, at::H
 
 }  // namespace
 
-void store_coded(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, torch::Tensor pages,
-                 torch::Tensor offsets) {
+void store_kv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, torch::Tensor pages,
+              torch::Tensor offsets) {
   TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x: contiguous float32 [N, kv_heads, D]");
-  const bool four = codes.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(four || codes.scalar_type() == torch::kInt8, "codes: int8 (8-bit) or uint8 (two 4-bit codes a byte)");
-  const int64_t N = x.size(0), kv_heads = x.size(1), D = x.size(2), groups = scales.size(-1);
+  const bool raw = codes.scalar_type() == torch::kFloat32, four = codes.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(raw || four || codes.scalar_type() == torch::kInt8, "codes: float32 (raw), int8 (8-bit) or uint8 (two 4-bit codes a byte)");
+  const int64_t N = x.size(0), kv_heads = x.size(1), D = x.size(2), groups = raw ? 1 : scales.size(-1);
   TORCH_CHECK(codes.dim() == 4 && codes.size(2) == kv_heads && codes.size(3) == (four ? D / 2 : D) && codes.stride(3) == 1 &&
               codes.stride(2) == codes.size(3) && codes.stride(1) == kv_heads * codes.size(3), "codes: [P, page_size, kv_heads, D or D / 2], contiguous inside a page");
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.dim() == 4 && groups > 0 && D % groups == 0 && (D / groups) % 2 == 0 &&
-              scales.stride(3) == 1 && scales.stride(2) == groups && scales.stride(1) == kv_heads * groups,
+  TORCH_CHECK(raw || (scales.scalar_type() == torch::kHalf && scales.dim() == 4 && groups > 0 && D % groups == 0 && (D / groups) % 2 == 0 &&
+              scales.stride(3) == 1 && scales.stride(2) == groups && scales.stride(1) == kv_heads * groups),
               "scales: float16 [P, page_size, kv_heads, G], contiguous inside a page");
   TORCH_CHECK(!four || (zeros.sizes() == scales.sizes() && zeros.strides() == scales.strides() && zeros.scalar_type() == torch::kHalf),
               "zeros: float16 like the scales (4-bit codes)");
@@ -72,13 +77,18 @@ void store_coded(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, tor
     TORCH_CHECK(page[n] >= 0 && page[n] < codes.size(0) && offset[n] >= 0 && offset[n] < codes.size(1), "row ", n, " lies outside the pages");
   const float* xp = x.data_ptr<float>();
   auto* code_base = static_cast<uint8_t*>(codes.data_ptr());
-  auto* scale_base = scales.data_ptr<at::Half>();
+  const int64_t code_bytes = codes.element_size();
+  auto* scale_base = raw ? nullptr : scales.data_ptr<at::Half>();
   auto* zero_base = four ? zeros.data_ptr<at::Half>() : nullptr;
   const int64_t group = D / groups;
-  at::parallel_for(0, N * kv_heads, 64, [&](int64_t begin, int64_t end) {
+  kiln::SpinPool::run(N * kv_heads, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t n = r / kv_heads, h = r % kv_heads;
-      uint8_t* row_codes = code_base + page[n] * codes.stride(0) + offset[n] * codes.stride(1) + h * codes.stride(2);
+      uint8_t* row_codes = code_base + (page[n] * codes.stride(0) + offset[n] * codes.stride(1) + h * codes.stride(2)) * code_bytes;
+      if (raw) {
+        std::memcpy(row_codes, xp + r * D, D * sizeof(float));
+        continue;
+      }
       at::Half* row_scales = scale_base + page[n] * scales.stride(0) + offset[n] * scales.stride(1) + h * groups;
       if (four)
         encode_4bit(xp + r * D, D, group, row_codes, row_scales,

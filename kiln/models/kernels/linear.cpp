@@ -20,6 +20,7 @@
 
 #include "pool.h"
 
+#include <string>
 #include <tuple>
 
 namespace {
@@ -210,19 +211,27 @@ torch::Tensor paged_attention_coded(torch::Tensor q, torch::Tensor k_codes, torc
                                     torch::Tensor block_table, torch::Tensor first_pos, torch::Tensor row_seq,
                                     torch::Tensor row_pos, int64_t window, double scale);  // attention.cpp
 
-void store_coded(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, torch::Tensor pages,
-                 torch::Tensor offsets);  // kv_store.cpp
+void store_kv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, torch::Tensor pages,
+              torch::Tensor offsets);  // kv_store.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset);  // norms.cpp
+std::tuple<torch::Tensor, torch::Tensor> residual_norm(torch::Tensor x, torch::Tensor y, c10::optional<torch::Tensor> y_weight,
+                                                       double y_eps, double y_offset, c10::optional<torch::Tensor> out_weight,
+                                                       double out_eps, double out_offset);  // norms.cpp
+torch::Tensor gated_activation(torch::Tensor gate_up, const std::string& activation);  // activations.cpp
+torch::Tensor argmax_rows(torch::Tensor logits);  // argmax.cpp
 std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(torch::Tensor qkv, c10::optional<torch::Tensor> norm_weight,
                                                       double eps, double offset, torch::Tensor cos, torch::Tensor sin,
                                                       int64_t heads);  // norms.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "fused RMSNorm (norms.cpp)");
+  m.def("residual_norm", &residual_norm, "residual add of a (normed) sublayer output, and its norm (norms.cpp)");
+  m.def("gated_activation", &gated_activation, "act(gate) * up of a fused gate/up projection (activations.cpp)");
+  m.def("argmax_rows", &argmax_rows, "each row's torch.argmax (argmax.cpp)");
   m.def("qk_norm_rope", &qk_norm_rope, "fused q/k head norms and rotary embedding (norms.cpp)");
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention (attention.cpp)");
   m.def("paged_attention_coded", &paged_attention_coded, "paged attention over 8-bit / 4-bit coded pages (attention.cpp)");
-  m.def("store_coded", &store_coded, "new K/V rows encoded into coded pages (kv_store.cpp)");
+  m.def("store_kv", &store_kv, "new K/V rows stored into raw or coded pages (kv_store.cpp)");
   m.def("linear_f32", &linear_f32, "batch-invariant float32 linear (packed weights)");
   m.def("unpack", &unpack, "packed weights -> row-major float32");
   m.def("linear_int8", &linear_int8, "weight-only int8 linear (packed weights, per-row scales)");
