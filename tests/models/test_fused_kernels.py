@@ -46,8 +46,8 @@ def test_each_norm_keeps_its_own_eps_and_offset():
     y_norm, out_norm = norm(64, True, 1), norm(64, False, 2)
     out_norm.eps = 1e-1
     x, y = torch.randn(3, 64), torch.randn(3, 64) * 0.1
+    y_norm.fused = out_norm.fused = True  # the two-call path: rms_norm's kernel, then an add
     expected = x + y_norm(y), out_norm(x + y_norm(y))
-    y_norm.fused = out_norm.fused = True
     total, next_input = add_normed(x, y, y_norm, out_norm)
     assert torch.equal(total, expected[0]) and torch.equal(next_input, expected[1])
 
