@@ -14,6 +14,7 @@ import torch
 from kiln import SamplingParams
 from kiln.config import EngineConfig
 from kiln.engine.sampler import Sampler
+from kiln.engine.scheduler import MAX_DRAFTING_SEQUENCES
 from kiln.engine.speculative import MAX_COOLDOWN, NgramIndex, NgramProposer, verify
 from kiln.errors import InvalidArgumentError
 from kiln.llm import LLM
@@ -69,10 +70,11 @@ def test_proposer_backs_off_after_misses_and_resumes_on_acceptance(tiny_llm) -> 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
 def test_greedy_output_equals_plain_decoding(tiny_llm, arch: str) -> None:
-    """Page size 4 < draft + 1 rows, so drafts cross page boundaries; prompts of several shapes."""
+    """Page size 4 < draft + 1 rows, so drafts cross page boundaries; prompts of several shapes, as many
+    as decode together while drafting."""
     plain = tiny_llm(arch, speculative=None, page_size=4)
     spec = tiny_llm(arch, page_size=4, num_speculative_tokens=5)
-    prompts = [repetitive(seed, 9 + 11 * seed) for seed in range(4)]
+    prompts = [repetitive(seed, 9 + 11 * seed) for seed in range(MAX_DRAFTING_SEQUENCES)]
     assert [o.token_ids for o in spec.generate(prompts, GREEDY)] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
     stats = spec.engine.stats
     assert stats.spec_accepted_tokens > 0  # the drafts were used, not just proposed
@@ -161,7 +163,7 @@ def test_verify_keeps_the_sampling_distribution() -> None:
     the draft is the likeliest token, a plausible one, or one the distribution rules out."""
     probs = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.02, 0.0], [0.05, 0.05, 0.3, 0.3, 0.1, 0.1, 0.05, 0.05], [0.125] * 8])
     logits = probs.clamp(min=1e-30).log()
-    params = SamplingParams(temperature=1.0, max_tokens=4)
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=11)  # one seeded stream: a fixed outcome, not a 0.6 % flake
     sampler = Sampler()
     trials = 6000
     for draft in ([0, 2], [3, 3], [7, 1]):
