@@ -25,7 +25,7 @@ SOURCES = [
     Path(__file__).with_name(name)
     for name in ("linear.cpp", "attention.cpp", "norms.cpp", "activations.cpp", "argmax.cpp", "kv_store.cpp")
 ]
-HEADERS = [Path(__file__).with_name("pool.h")]  # in the digest too: a changed header rebuilds
+HEADERS = [Path(__file__).with_name(name) for name in ("pool.h", "vec_math.h")]  # in the digest too: a changed header rebuilds
 # -ffp-contract=off: the compiler must not fuse a multiply and an add on its own, which it may do in one
 # inlined copy of a loop and not in another; the kernels' results must not depend on which copy ran.
 # -mf16c: coded KV pages' float16 scales (attention.cpp); every AVX2 CPU has F16C.

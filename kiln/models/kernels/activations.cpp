@@ -5,34 +5,21 @@
 //
 // Both activations are x * sigmoid(z): SiLU with z = x, tanh-GELU with z = 2 * sqrt(2 / pi) * (x + 0.044715 x^3)
 // (0.5 * (1 + tanh(u)) = sigmoid(2u)), so one exp and one division a value, no cancellation near zero.
-// exp is the usual Cody-Waite reduction to [-ln2 / 2, ln2 / 2] and a degree-6 polynomial (about 1 ulp);
-// results agree with PyTorch's to float rounding (tests/models/test_parity.py runs both paths). Each value
+// exp is vec_math.h's (about 1 ulp); results agree with PyTorch's to float rounding (tests/models/test_parity.py runs both paths). Each value
 // is computed on its own, so a row's result never depends on its batch.
 #include <torch/extension.h>
 #include <immintrin.h>
 
 #include "pool.h"
+#include "vec_math.h"
 #include <cmath>
 #include <string>
 
 namespace {
 
-inline __m256 exp256(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts: the first exact
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-  const __m256 e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(e, _mm256_castsi256_ps(power));
-}
-
 inline float exp_scalar(float x) {
   alignas(32) float lanes[8] = {x};
-  _mm256_store_ps(lanes, exp256(_mm256_load_ps(lanes)));
+  _mm256_store_ps(lanes, kiln::exp256(_mm256_load_ps(lanes)));
   return lanes[0];
 }
 
@@ -68,7 +55,7 @@ torch::Tensor gated_activation(torch::Tensor gate_up, const std::string& activat
       int64_t i = 0;
       for (; i + 8 <= I; i += 8) {
         const __m256 x = _mm256_loadu_ps(gate + i);
-        const __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), sigmoid_argument(x, kind))));
+        const __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.0f), kiln::exp256(_mm256_sub_ps(_mm256_setzero_ps(), sigmoid_argument(x, kind))));
         _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(x, denominator), _mm256_loadu_ps(up + i)));
       }
       for (; i < I; ++i) y[i] = gate[i] / (1.0f + exp_scalar(-sigmoid_argument(gate[i], kind))) * up[i];

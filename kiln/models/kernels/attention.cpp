@@ -43,6 +43,7 @@
 #include <immintrin.h>
 
 #include "pool.h"
+#include "vec_math.h"
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -264,8 +265,9 @@ struct Problem {
       for (int64_t i = 0; i < count; ++i) page_max = weight[j][i] > page_max ? weight[j][i] : page_max;
       const float running = part.max[g + j], new_max = page_max > running ? page_max : running;
       rescale[j] = std::exp(running - new_max);  // exp(-inf) = 0 on the first page
+      kiln::exp_shifted(weight[j], count, new_max);  // vectorised: std::exp per key was a tenth of decode attention
       float sum = 0.0f;
-      for (int64_t i = 0; i < count; ++i) sum += (weight[j][i] = std::exp(weight[j][i] - new_max));
+      for (int64_t i = 0; i < count; ++i) sum += weight[j][i];
       part.total[g + j] = part.total[g + j] * rescale[j] + sum;
       part.max[g + j] = new_max;
     }

@@ -1,0 +1,41 @@
+// exp over 8 floats with AVX2, for the kernels that need one per value (activations, attention weights).
+//
+// The usual Cody-Waite reduction to r in [-ln2 / 2, ln2 / 2] (ln 2 in two parts, the first exact) and a
+// degree-6 polynomial, scaled by 2^n through the exponent bits: about 1 ulp. Below -87.33 (where exp
+// leaves float32's normal range) the result is 0; above 88 it is clamped to exp(88).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace kiln {
+
+inline __m256 exp256(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256 e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(e, _mm256_castsi256_ps(power)));
+}
+
+// values[i] = exp(values[i] - shift) for i < count, in place; a partial last vector goes through a copy.
+inline void exp_shifted(float* values, int64_t count, float shift) {
+  const __m256 by = _mm256_set1_ps(shift);
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(values + i, exp256(_mm256_sub_ps(_mm256_loadu_ps(values + i), by)));
+  if (i < count) {
+    alignas(32) float tail[8] = {};
+    for (int64_t k = i; k < count; ++k) tail[k - i] = values[k];
+    _mm256_store_ps(tail, exp256(_mm256_sub_ps(_mm256_load_ps(tail), by)));
+    for (int64_t k = i; k < count; ++k) values[k] = tail[k - i];
+  }
+}
+
+}  // namespace kiln
