@@ -67,7 +67,6 @@ class QuantizedLinear(nn.Module):
         self.fmt = fmt
         self.out_features = out_features
         self.in_features = weight.shape[1] * 8
-        self.batch_invariant = batch_invariant
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
