@@ -13,16 +13,9 @@
 
 #include "pool.h"
 #include "vec_math.h"
-#include <cmath>
 #include <string>
 
 namespace {
-
-inline float exp_scalar(float x) {
-  alignas(32) float lanes[8] = {x};
-  _mm256_store_ps(lanes, kiln::exp256(_mm256_load_ps(lanes)));
-  return lanes[0];
-}
 
 enum class Kind { silu, gelu_tanh };
 
@@ -32,8 +25,10 @@ inline __m256 sigmoid_argument(__m256 x, Kind kind) {
   return _mm256_mul_ps(_mm256_set1_ps(1.5957691216f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), cube, x));
 }
 
-inline float sigmoid_argument(float x, Kind kind) {
-  return kind == Kind::silu ? x : 1.5957691216f * std::fma(0.044715f, x * x * x, x);
+// act(gate) * up for 8 values: x * sigmoid(z) * up.
+inline __m256 gated(__m256 x, __m256 up, Kind kind) {
+  const __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.0f), kiln::exp256(_mm256_sub_ps(_mm256_setzero_ps(), sigmoid_argument(x, kind))));
+  return _mm256_mul_ps(_mm256_div_ps(x, denominator), up);
 }
 
 }  // namespace
@@ -54,12 +49,11 @@ torch::Tensor gated_activation(torch::Tensor gate_up, const std::string& activat
       const float *gate = src + r * width, *up = gate + I;
       float* y = dst + r * I;
       int64_t i = 0;
-      for (; i + 8 <= I; i += 8) {
-        const __m256 x = _mm256_loadu_ps(gate + i);
-        const __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.0f), kiln::exp256(_mm256_sub_ps(_mm256_setzero_ps(), sigmoid_argument(x, kind))));
-        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(x, denominator), _mm256_loadu_ps(up + i)));
+      for (; i + 8 <= I; i += 8) _mm256_storeu_ps(y + i, gated(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i), kind));
+      if (i < I) {  // a partial last vector, masked
+        const __m256i lanes = kiln::first_lanes(I - i);
+        _mm256_maskstore_ps(y + i, lanes, gated(_mm256_maskload_ps(gate + i, lanes), _mm256_maskload_ps(up + i, lanes), kind));
       }
-      for (; i < I; ++i) y[i] = gate[i] / (1.0f + exp_scalar(-sigmoid_argument(gate[i], kind))) * up[i];
     }
   });
   auto shape = gate_up.sizes().vec();

@@ -25,16 +25,20 @@ inline __m256 exp256(__m256 x) {
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(e, _mm256_castsi256_ps(power)));
 }
 
-// values[i] = exp(values[i] - shift) for i < count, in place; a partial last vector goes through a copy.
+// Lanes [0, n) set, n in [0, 8]: the mask of a partial last vector for maskload / maskstore (which cost more
+// than plain loads and stores, so full vectors take those).
+inline __m256i first_lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// values[i] = exp(values[i] - shift) for i < count, in place; a partial last vector masked.
 inline void exp_shifted(float* values, int64_t count, float shift) {
   const __m256 by = _mm256_set1_ps(shift);
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) _mm256_storeu_ps(values + i, exp256(_mm256_sub_ps(_mm256_loadu_ps(values + i), by)));
   if (i < count) {
-    alignas(32) float tail[8] = {};
-    for (int64_t k = i; k < count; ++k) tail[k - i] = values[k];
-    _mm256_store_ps(tail, exp256(_mm256_sub_ps(_mm256_load_ps(tail), by)));
-    for (int64_t k = i; k < count; ++k) values[k] = tail[k - i];
+    const __m256i lanes = first_lanes(count - i);
+    _mm256_maskstore_ps(values + i, lanes, exp256(_mm256_sub_ps(_mm256_maskload_ps(values + i, lanes), by)));
   }
 }
 
