@@ -31,10 +31,11 @@ from kiln.kv.cache import KVCache
 # Drafts ride only in steps of at most this many decoding sequences. A draft's rows are close to free
 # while a step is bound by reading the weights (few rows); with more sequences the step is bound by
 # arithmetic, and every draft row costs what a sequence's row does, most of it in the LM head (every draft
-# row needs logits: about 3 ms a row on the embedded model past the first few). Measured with agents.py's
-# workload in process (10 turns, aggregate tokens/s, two runs each): 2 agents 76.4 drafting against 71.4
-# not; 4 agents 72.7 drafting only when at most 2 decode against 66.2 drafting at 4.
-MAX_DRAFTING_SEQUENCES = 2
+# row needs logits: about 1.6 ms a row on the embedded model past the first few). Measured with agents.py's
+# workload in process (6 turns, aggregate tokens/s, two runs each, int8 kernel of integer products):
+# 4 agents 124.0 / 120.1 drafting against 113.9 / 116.1 drafting only when at most 2 decode; 8 agents
+# 130.7 / 129.8 drafting only when at most 4 decode against 125.3 / 123.9 drafting at 8.
+MAX_DRAFTING_SEQUENCES = 4
 
 
 @dataclass

@@ -1,22 +1,22 @@
-"""Weight-only int8 linear layers for CPU decode, computed by Kiln's own kernel (kernels/linear.cpp).
+"""int8 linear layers for CPU inference, computed by Kiln's own kernel (kernels/linear.cpp).
 
 Why: decoding one token reads every weight once, and on the CPU that read is the bound, not the
 arithmetic. The embedded Gemma 3 270M in fp32 reads 1.07 GB per token (671 MB of it the 262144 x 640 LM
 head) against ~23 GB/s of read bandwidth here (bench/throughput.py measures it). Weights are stored as
-int8 (one scale per output row) and widened to float32 only in registers; activations stay float32, so
-there is no activation quantisation error and a row's result never depends on the other rows of its
-batch (INV-3). bench/kernels.py measures the candidates this replaced (fbgemm fp16 and dynamic int8,
-aten's weight-only int8/int4, inductor); bench/weight_formats.py measures the format on the whole model.
-Two more were tried and dropped: int4 weights in groups of 32 (+93 % perplexity on the embedded model,
-and no faster), and int8 activations per 32-value block against int8 weights (llama.cpp's Q8_0 dot
-product: 1.1-1.4x on the kernel alone, nothing on the memory-bound LM head, and a changed input rounding
-turns float-order differences into whole int8 steps, breaking the 1e-4 agreement of prefill and decode).
+int8 (one scale per output row). The kernel quantises each input row to int16 with a scale of its own
+(at least 8,256 levels for these layers' widths, so the rounding is far below the weights') and sums
+products exactly in int32: a row's result never depends on the other rows of its batch (INV-3), at any
+row count. The integer multiply-add runs at twice float32's rate on these CPUs, which is what batched
+decode, speculative verification and prefill need; it also beats widening the weights and running BLAS
+at every prefill size measured (512 rows of the gate/up projection: 12.3 against 17.4 ms), so every row
+count takes the kernel. bench/kernels.py measures the candidates this replaced (fbgemm fp16 and dynamic
+int8, aten's weight-only int8/int4, inductor); bench/weight_formats.py measures the format on the whole
+model. Two more were tried and dropped: int4 weights in groups of 32 (+93 % perplexity on the embedded
+model, and no faster), and int8 activations per 32-value block (llama.cpp's Q8_0 dot product: an input
+rounding of one part in 127 turns float-order differences upstream into whole steps).
 
-Rows per call decide the path: up to KERNEL_MAX_ROWS rows (decode batches, speculative verification) run
-the kernel, which reads each weight once for all rows; a larger prefill chunk widens the matrix to
-float32 once and runs BLAS, which is faster there than a kernel built for streaming. `batch_invariant`
-(the deterministic mode) runs the kernel at every size: its per-element arithmetic does not depend on
-the row count, BLAS's does. Format "float32" keeps exact weights and exists for that mode alone.
+Format "float32" keeps exact weights in the kernel's float32 path (a fixed reduction order per element):
+the deterministic mode's format when quantisation is off.
 
 Quantisation happens once per model source and format; `quantize_model` keeps the result next to the
 converted weights (see weight_cache) so later starts read it back.
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,11 +42,6 @@ if TYPE_CHECKING:
 
 QUANTIZATIONS = ("int8",)
 KERNEL_FORMATS = ("float32", *QUANTIZATIONS)
-# Above this many rows, widening the weights to float32 and running BLAS beats the kernel (bench/kernels.py:
-# at 256 rows 13.9 vs 20.1 ms on the gate/up projection, 5.9 vs 14.3 on down). Widening costs the same
-# whatever the row count and is large for the LM head (a 671 MB write), so the kernel keeps everything
-# short of a prefill chunk.
-KERNEL_MAX_ROWS = 64
 QUANT_VERSION = 2  # bump when the stored quantised format changes (2: packed blocks of 8 rows)
 PACK_ROWS = 8  # output rows per packed block (kernels/linear.cpp, kBlock)
 
@@ -60,7 +54,7 @@ class QuantizedLinear(nn.Module):
     """
 
     def __init__(self, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                 out_features: int, batch_invariant: bool = False) -> None:
+                 out_features: int) -> None:
         super().__init__()
         if fmt not in KERNEL_FORMATS:
             raise InvalidArgumentError(f"quantization must be one of {list(QUANTIZATIONS)}, got {fmt!r}")
@@ -73,14 +67,13 @@ class QuantizedLinear(nn.Module):
         # What forward needs, bound once: the buffers' lookups through nn.Module.__getattr__ and the format's
         # dispatch cost a decode step of the embedded model about 0.2 ms over its 73 projections. The
         # buffers are never replaced (the kernels run on the CPU only; nothing moves them).
-        self._widen_above = None if batch_invariant else KERNEL_MAX_ROWS * self.in_features
         if fmt == "float32":
             self._apply_kernel = lambda x: kernels().linear_f32(x, weight, bias, out_features)
         else:
             self._apply_kernel = lambda x: kernels().linear_int8(x, weight, scale, bias)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, batch_invariant: bool = False) -> QuantizedLinear:
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str) -> QuantizedLinear:
         """From a float32 [N, K] weight (not modified)."""
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             raise InvalidArgumentError(f"quantization needs float32 CPU weights, got {weight.dtype} on {weight.device}")
@@ -91,10 +84,10 @@ class QuantizedLinear(nn.Module):
         weight = weight.detach()
         bias = None if bias is None else bias.detach().contiguous()
         if fmt == "float32":
-            return cls(fmt, pack(weight), None, bias, weight.shape[0], batch_invariant)
+            return cls(fmt, pack(weight), None, bias, weight.shape[0])
         scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
         q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(fmt, pack(q), scale.contiguous(), bias, weight.shape[0], batch_invariant)
+        return cls(fmt, pack(q), scale.contiguous(), bias, weight.shape[0])
 
     def dequantized(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 [N, K] matrix the stored weights stand for, written to `out` when given."""
@@ -108,8 +101,6 @@ class QuantizedLinear(nn.Module):
         return sum(t.nbytes for t in (self.weight, self.scale, self.bias) if t is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._widen_above is not None and x.numel() > self._widen_above:
-            return F.linear(x, self.dequantized(_widening_buffer(self.out_features, self.in_features)), self.bias)
         return self._apply_kernel(x)
 
     def extra_repr(self) -> str:
@@ -137,9 +128,9 @@ def quantize_model(model: CausalLM, fmt: str | None, batch_invariant: bool = Fal
         weight, bias = (source.weight, source.bias) if isinstance(source, nn.Linear) else (source, None)
         if stored is not None and f"{name}.weight" in stored:
             scale = stored[f"{name}.scale"]
-            built[name] = QuantizedLinear(fmt, stored[f"{name}.weight"], scale, stored.get(f"{name}.bias"), scale.numel(), batch_invariant)
+            built[name] = QuantizedLinear(fmt, stored[f"{name}.weight"], scale, stored.get(f"{name}.bias"), scale.numel())
         else:
-            built[name] = QuantizedLinear.quantize(weight, bias, fmt, batch_invariant)
+            built[name] = QuantizedLinear.quantize(weight, bias, fmt)
     if cache_file is not None and fmt != "float32" and stored is None:
         _save(cache_file, {f"{name}.{key}": t for name, m in built.items() for key, t in m.state_dict().items()})
     head = built.pop(head_name)
@@ -148,23 +139,6 @@ def quantize_model(model: CausalLM, fmt: str | None, batch_invariant: bool = Fal
         setattr(model.get_submodule(parent), child, layer)
     model.use_head(head)
     return model
-
-
-_scratch = threading.local()
-_SCRATCH_LIMIT = 16 * 2**20  # float32 values (64 MiB): 6x the embedded model's largest projection
-
-
-def _widening_buffer(rows: int, cols: int) -> torch.Tensor:
-    """A [rows, cols] float32 buffer reused by this thread's layers, which widen one after another. A fresh
-    tensor per layer cost more in page faults than the widening itself (a gate/up projection of the
-    embedded model: 3.9 ms against 0.6 ms into warm memory). A matrix above _SCRATCH_LIMIT values (an LM
-    head, widened only when many rows want logits) gets memory of its own, so the buffer never holds it."""
-    if rows * cols > _SCRATCH_LIMIT:
-        return torch.empty(rows, cols)
-    buffer = getattr(_scratch, "buffer", None)
-    if buffer is None or buffer.numel() < rows * cols:
-        buffer = _scratch.buffer = torch.empty(rows * cols)
-    return buffer[: rows * cols].view(rows, cols)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

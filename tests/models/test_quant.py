@@ -17,7 +17,7 @@ from kiln.errors import InvalidArgumentError
 from kiln.llm import LLM
 from kiln.models import build_model, quantize_model
 from kiln.models.causal_lm import CausalLM
-from kiln.models.quant import KERNEL_MAX_ROWS, QuantizedLinear
+from kiln.models.quant import QuantizedLinear
 from tests.models.test_parity import PoisonedCache, random_tokens, solo
 from tests.tiny_models import TINY_CONFIGS
 
@@ -39,16 +39,62 @@ def logits(model: CausalLM, loaded, tokens: list[int], chunks: list[int]) -> tor
     return solo(PoisonedCache(model, loaded.config, 8, len(tokens)), tokens, chunks)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 9])  # every grouping, and BLAS
-def test_kernel_computes_the_stored_weights(fmt: str, rows: int) -> None:
+def int8_reference(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """What the int8 kernel computes, in torch: each input row rounded (half to even) to int16 codes at
+    levels / max|x|, the largest level count whose K-long int32 sum with int8 weights cannot overflow;
+    exact integer sums (float64 holds them), then sum * row scale * weight scale + bias in float32."""
+    k = layer.in_features
+    levels = min(32767, (2**31 - 1) // (127 * k))
+    amax = x.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, torch.tensor(float(levels)) / amax, torch.zeros(()))
+    codes = torch.round(x * inverse)
+    stored = layer.weight.permute(0, 2, 1, 3).reshape(-1, k)[: layer.out_features]  # quant.pack, undone
+    sums = (codes.double() @ stored.double().T).float()
+    out = sums * (amax / levels) * layer.scale
+    return out if layer.bias is None else out + layer.bias
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 64, 64 + 9, 150])  # every grouping; several input chunks
+def test_int8_kernel_computes_its_stated_arithmetic(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(70, 96, generator=gen), torch.randn(70, generator=gen)  # a partial last block of rows
-    layer = QuantizedLinear.quantize(weight, bias, fmt)
-    x = torch.randn(rows, 96, generator=gen)
-    expected = x @ layer.dequantized().T + bias
-    assert torch.allclose(layer(x), expected, rtol=1e-5, atol=1e-4)
+    layer = QuantizedLinear.quantize(weight, bias, "int8")
+    x = torch.randn(rows, 96, generator=gen) * torch.logspace(-3, 2, 96)  # outlier channels, as Gemma has
+    x[rows // 2] = 0  # a zero row: codes and scale 0, the bias alone
+    assert torch.equal(layer(x), int8_reference(layer, x))
+    # The input's rounding moves each output by at most half a step per weight.
+    step = x.abs().amax(-1, keepdim=True) / 32767
+    error = (layer(x) - (x.double() @ layer.dequantized().double().T + bias)).abs()
+    assert (error <= step / 2 * layer.dequantized().abs().sum(1) * 1.001 + 1e-5).all()
     assert layer(x.view(1, rows, 96)).shape == (1, rows, 70)
+
+
+@pytest.mark.parametrize("k", [640, 2048, 4096])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int8_kernel_sums_cannot_overflow(k: int, sign: float) -> None:
+    """The largest possible sum: every input at max|x| against every weight at +-127."""
+    layer = QuantizedLinear.quantize(torch.full((8, k), sign), None, "int8")
+    x = torch.full((2, k), 3.0)
+    assert torch.equal(layer(x), int8_reference(layer, x))
+    assert torch.allclose(layer(x), torch.full((2, 8), 3.0 * k * sign), rtol=1e-4)
+
+
+def test_int8_kernel_keeps_nan_rows_nan() -> None:
+    layer = QuantizedLinear.quantize(torch.randn(16, 32, generator=torch.Generator().manual_seed(3)), None, "int8")
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(4))
+    x[1, 5] = float("nan")
+    out = layer(x)
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+    assert torch.equal(out[[0, 2]], layer(x[[0, 2]]))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 64 + 9])
+def test_float32_kernel_computes_the_stored_weights(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(70, 96, generator=gen), torch.randn(70, generator=gen)
+    layer = QuantizedLinear.quantize(weight, bias, "float32")
+    x = torch.randn(rows, 96, generator=gen)
+    assert torch.allclose(layer(x), x @ weight.T + bias, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -65,13 +111,13 @@ def test_stored_weights_are_within_half_a_step(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_kernel_rows_are_batch_invariant(fmt: str) -> None:
-    """A row's result is bit-identical alone and in batches of any size, as the deterministic mode needs;
-    up to KERNEL_MAX_ROWS rows this holds in the default mode too."""
+    """A row's result is bit-identical alone and in batches of any size (INV-3; the deterministic mode
+    relies on it), prefill-sized ones included."""
     gen = torch.Generator().manual_seed(2)
-    layer = QuantizedLinear.quantize(torch.randn(40, 64, generator=gen), None, fmt, batch_invariant=True)
-    x = torch.randn(50, 64, generator=gen)
+    layer = QuantizedLinear.quantize(torch.randn(40, 64, generator=gen), None, fmt)
+    x = torch.randn(150, 64, generator=gen)
     whole = layer(x)
-    for start, size in [(0, 1), (7, 1), (3, 2), (10, 4), (20, 5), (5, 9), (1, 49)]:
+    for start, size in [(0, 1), (7, 1), (3, 2), (10, 4), (20, 5), (5, 9), (1, 49), (60, 90), (0, 130)]:
         assert torch.equal(layer(x[start : start + size]), whole[start : start + size])
 
 

@@ -1,15 +1,16 @@
-// Weight-only int8 and batch-invariant float32 linear layers for AVX2 CPUs: y[M, N] = x[M, K] . W[N, K]^T.
+// int8 and batch-invariant float32 linear layers for AVX2 CPUs: y[M, N] = x[M, K] . W[N, K]^T.
 //
 // Why a kernel of our own: decoding reads every weight once per token and the CPU's memory bandwidth is the
-// bound, so weights should cross it as int8 and become float32 only in registers. PyTorch's own
-// weight-only int8/int4 CPU kernels have no fast AVX2 path, and fbgemm's dynamic int8 quantises the
-// activations too (one scale per tensor, which both loses accuracy on Gemma's outlier channels and makes a
-// row's result depend on the rest of its batch).
+// bound, so weights should cross it as int8. PyTorch's own weight-only int8/int4 CPU kernels have no fast
+// AVX2 path, and fbgemm's dynamic int8 quantises the activations with one scale per tensor, which makes a
+// row's result depend on the rest of its batch (and loses accuracy on Gemma's outlier channels).
 //
-// Every output element is computed the same way whatever M is and wherever its row sits in the batch: one
-// 8-lane accumulator per (row, output) pair, fused multiply-adds in ascending k, then a fixed horizontal sum.
-// So a row's result is bit-identical alone, in a batch, or in a prefill chunk of any size (batch invariance,
-// which the deterministic mode relies on).
+// Every output element is computed the same way whatever M is and wherever its row sits in the batch, so a
+// row's result is bit-identical alone, in a batch, or in a prefill chunk of any size (batch invariance,
+// INV-3, which the deterministic mode relies on):
+//   float32: one 8-lane accumulator per (row, output) pair, fused multiply-adds in ascending k, then a
+//            fixed horizontal sum.
+//   int8:    the input row quantised to int16 with a scale of its own, exact integer sums (see run_int8).
 //
 // Formats (of one weight row; rows are packed in blocks of 8, see kBlock):
 //   f32:  K floats.
@@ -19,7 +20,10 @@
 #include <immintrin.h>
 
 #include "pool.h"
+#include "vec_math.h"
 
+#include <algorithm>
+#include <limits>
 #include <string>
 #include <tuple>
 
@@ -59,28 +63,14 @@ struct Packed {
   }
 };
 
-struct F32Rows : Packed<float> {
-  inline __m256 load(int64_t n, int64_t k) const { return _mm256_loadu_ps(at(n, k)); }
-  inline float finish(int64_t, float acc) const { return acc; }
-};
-
-struct Int8Rows : Packed<int8_t> {
-  const float* scale;
-  inline __m256 load(int64_t n, int64_t k) const {
-    __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at(n, k)));
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-  }
-  inline float finish(int64_t n, float acc) const { return acc * scale[n]; }
-};
-
-// Output rows [n0, n0 + rows) (inside one block) for input rows [m0, m0 + inputs): one 8-lane accumulator
-// per (input, output) pair, multiply-adds in ascending k, each weight vector loaded (and widened) once for
+// float32: output rows [n0, n0 + rows) (inside one block) for input rows [m0, m0 + inputs): one 8-lane
+// accumulator per (input, output) pair, multiply-adds in ascending k, each weight vector loaded once for
 // all the tile's inputs. Both counts are compile-time constants, so the accumulators stay in registers.
 // Outputs at n >= N (a partial last block's zero rows) are computed and not stored. Never inlined: inlined
 // into the block loop next to its other shapes, the 4 x 2 tile lost its registers to the compiler's
 // allocation there and ran 1.3-2x slower (LM head at 4 rows: 25-33 ms against 16-19).
-template <typename Rows, int64_t inputs, int64_t rows>
-__attribute__((noinline)) void tile(const Rows& W, const float* x, float* y, const float* bias, int64_t N, int64_t K,
+template <int64_t inputs, int64_t rows>
+__attribute__((noinline)) void tile(const Packed<float>& W, const float* x, float* y, const float* bias, int64_t N, int64_t K,
                                     int64_t m0, int64_t n0) {
   __m256 acc[inputs][rows];
   for (int64_t i = 0; i < inputs; ++i)
@@ -90,44 +80,188 @@ __attribute__((noinline)) void tile(const Rows& W, const float* x, float* y, con
     __m256 xv[inputs];
     for (int64_t i = 0; i < inputs; ++i) xv[i] = _mm256_loadu_ps(x + (m0 + i) * K + k);
     for (int64_t r = 0; r < rows; ++r) {
-      const __m256 wv = W.load(n0 + r, k);
+      const __m256 wv = _mm256_loadu_ps(W.at(n0 + r, k));
       for (int64_t i = 0; i < inputs; ++i) acc[i][r] = _mm256_fmadd_ps(wv, xv[i], acc[i][r]);
     }
   }
   for (int64_t i = 0; i < inputs; ++i)
     for (int64_t r = 0; r < rows && n0 + r < N; ++r) {
-      const float out = W.finish(n0 + r, horizontal_sum(acc[i][r]));
+      const float out = horizontal_sum(acc[i][r]);
       y[(m0 + i) * N + n0 + r] = bias ? out + bias[n0 + r] : out;
     }
 }
 
-// All the inputs against the block of rows n0.., each weight vector read from the block (in cache after the
-// first tile) and widened in registers once per tile: groups of 4 inputs x 2 rows, the last 2 or 3 inputs
-// x 4 rows, a lone input (x 8 rows) only when it is the only one. A lone input after a group costs about
-// as much as a whole group, hence 5 = 3 + 2. Measured on the embedded model's LM head, interleaved, against
-// widening each int8 block into a float32 buffer first and tiling 3 inputs x 4 rows from it: 2 / 4 / 16
-// rows took 10.4 / 14.9 / 49.5 ms against 41.9 / 30.4 / 62.9, and it was no slower on the other projections.
-template <typename Rows>
-inline void tiles(const Rows& W, const float* x, float* y, const float* bias, int64_t N, int64_t K, int64_t M, int64_t n0) {
+// All the inputs against the block of rows n0..: groups of 4 inputs x 2 rows, the last 2 or 3 inputs x 4
+// rows, a lone input (x 8 rows) only when it is the only one. A lone input after a group costs about as
+// much as a whole group, hence 5 = 3 + 2 (measured when this path also served int8 weights, widened to
+// float32 in registers: LM head at 2 / 4 / 16 rows 10.4 / 14.9 / 49.5 ms against 41.9 / 30.4 / 62.9 for
+// widening each block into a float32 buffer first and tiling 3 inputs x 4 rows from it).
+inline void tiles(const Packed<float>& W, const float* x, float* y, const float* bias, int64_t N, int64_t K, int64_t M, int64_t n0) {
   if (M == 1) {
-    tile<Rows, 1, kBlock>(W, x, y, bias, N, K, 0, n0);
+    tile<1, kBlock>(W, x, y, bias, N, K, 0, n0);
     return;
   }
   int64_t m = 0;
   for (; M - m >= 4 && M - m != 5; m += 4)
-    for (int64_t r = 0; r < kBlock; r += 2) tile<Rows, 4, 2>(W, x, y, bias, N, K, m, n0 + r);
+    for (int64_t r = 0; r < kBlock; r += 2) tile<4, 2>(W, x, y, bias, N, K, m, n0 + r);
   if (M - m == 5) {
-    for (int64_t r = 0; r < kBlock; r += 4) tile<Rows, 3, 4>(W, x, y, bias, N, K, m, n0 + r);
+    for (int64_t r = 0; r < kBlock; r += 4) tile<3, 4>(W, x, y, bias, N, K, m, n0 + r);
     m += 3;
   }
   if (M - m == 3)
-    for (int64_t r = 0; r < kBlock; r += 4) tile<Rows, 3, 4>(W, x, y, bias, N, K, m, n0 + r);
+    for (int64_t r = 0; r < kBlock; r += 4) tile<3, 4>(W, x, y, bias, N, K, m, n0 + r);
   if (M - m == 2)
-    for (int64_t r = 0; r < kBlock; r += 4) tile<Rows, 2, 4>(W, x, y, bias, N, K, m, n0 + r);
+    for (int64_t r = 0; r < kBlock; r += 4) tile<2, 4>(W, x, y, bias, N, K, m, n0 + r);
 }
 
-template <typename Rows>
-torch::Tensor run(const Rows& W, const torch::Tensor& x, const c10::optional<torch::Tensor>& bias, int64_t N) {
+// int8 layers compute in integers: each input row is quantised to int16, x ~= q * s with one scale per row
+// (s = max|x| / levels), and y = (sum_k q[k] * w[n, k]) * s * scale[n]. The sum is exact in int32, so its
+// order is free: the result depends on the row alone, never on its batch (INV-3). One _mm256_madd_epi16
+// multiplies 16 int16 pairs (an FMA: 8 floats) and widening int8 to int16 is one instruction per 16
+// weights (into float32: two per 8). Measured on the embedded model's projections against the kernel this
+// replaced (int8 widened to float32, FMA): 1.5-1.9x faster from 4 rows up (LM head at 8 rows 22.0 against
+// 13.4 ms, 16 rows 42.8 against 25.2), about equal at one row, where reading the weights is the bound;
+// and faster than widening the weights once for BLAS at every prefill size tried (up to 512 rows).
+//
+// Levels: as many as int16 holds, as long as the int32 sum of K products of at most 127 * levels cannot
+// overflow: 26,420 for K = 640, 8,256 for K = 2048. The quantisation step, max|x| / levels, stays far below
+// the weights' own (max|w| / 127).
+inline int64_t activation_levels(int64_t K) {
+  return std::min<int64_t>(32767, std::numeric_limits<int32_t>::max() / (127 * K));
+}
+
+// Rows [begin, end) of x [M, K] as int16 codes q (round half to even of x * (levels / max|x|)) and
+// scales s = max|x| / levels; an all-zero row gets zero codes and scale 0. A row holding a NaN gets scale
+// NaN, so its outputs are NaN as float arithmetic would make them (an infinity: codes 0, scale inf, NaN).
+void quantize_rows(const float* x, int64_t K, int64_t levels, int64_t begin, int64_t end, int16_t* q, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t m = begin; m < end; ++m) {
+    const float* row = x + m * K;
+    __m256 top = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+      const __m256 v = _mm256_loadu_ps(row + k);
+      top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(half, _mm_shuffle_ps(half, half, 1)));
+    const float inverse = amax > 0.0f ? static_cast<float>(levels) / amax : 0.0f;
+    s[m] = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : amax / static_cast<float>(levels);
+    const __m256 by = _mm256_set1_ps(inverse);
+    for (int64_t k = 0; k < K; k += 8) {
+      const __m256i codes = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + k), by));  // MXCSR: half to even
+      const __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + k), packed);
+    }
+  }
+}
+
+struct QuantizedInput {
+  const int16_t* q;
+  const float* scale;
+  int64_t K;
+};
+
+// The sums of the accumulators of `pairs` row pairs (each: row n's 4 lanes, then row n + 1's), in row order
+// n0, n0 + 1, ... in the first 2 * pairs lanes. Exact: integer adds, which cannot overflow (activation_levels).
+template <int64_t pairs>
+inline __m256i row_sums(const __m256i* acc) {
+  static_assert(pairs == 2 || pairs == 4, "2 or 4 row pairs");
+  const __m256i low = _mm256_hadd_epi32(acc[0], acc[1]);
+  const __m256i high = pairs == 4 ? _mm256_hadd_epi32(acc[2], acc[3]) : low;
+  // Low half: pair j's first row in lane j; high half: its second row (pairs 2: each pair twice).
+  const __m256i sums = _mm256_hadd_epi32(low, high);
+  return _mm256_permutevar8x32_epi32(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// Output rows [n0, n0 + 2 * pairs) (inside one block) for input rows [m0, m0 + inputs). The packed block
+// holds, for each 8 columns, row n's 8 values and then row n + 1's: one 16-byte load widened to int16
+// meets the input's 8 codes broadcast to both halves, so one accumulator carries two output rows (row n in
+// its low 4 lanes, n + 1 in its high 4). Never inlined, for the reason `tile` gives.
+template <int64_t inputs, int64_t pairs>
+__attribute__((noinline)) void int8_tile(const Packed<int8_t>& W, const float* w_scale, const QuantizedInput& X, float* y,
+                                         const float* bias, int64_t N, int64_t m0, int64_t n0) {
+  const int64_t K = X.K;
+  __m256i acc[inputs][pairs];
+  for (int64_t i = 0; i < inputs; ++i)
+    for (int64_t p = 0; p < pairs; ++p) acc[i][p] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < K; k += 8) {
+    W.prefetch(n0, k, 2 * pairs);
+    __m256i xv[inputs];
+    for (int64_t i = 0; i < inputs; ++i)
+      xv[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(X.q + (m0 + i) * K + k)));
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(W.at(n0 + 2 * p, k))));
+      for (int64_t i = 0; i < inputs; ++i) acc[i][p] = _mm256_add_epi32(acc[i][p], _mm256_madd_epi16(wv, xv[i]));
+    }
+  }
+  // Masked loads and stores only for a partial last block: they cost several times plain ones on AMD (the
+  // LM head at one row: 6.5 against 5.9 ms).
+  const int64_t count = std::min<int64_t>(2 * pairs, N - n0);
+  const bool whole = count == 2 * pairs;
+  const __m256i valid = kiln::first_lanes(count);
+  const auto load = [&](const float* from) {
+    if (!whole) return _mm256_maskload_ps(from, valid);
+    return pairs == 4 ? _mm256_loadu_ps(from) : _mm256_castps128_ps256(_mm_loadu_ps(from));
+  };
+  const __m256 w_scales = load(w_scale + n0);
+  const __m256 biases = bias ? load(bias + n0) : _mm256_setzero_ps();
+  for (int64_t i = 0; i < inputs; ++i) {
+    const __m256 sums = _mm256_cvtepi32_ps(row_sums<pairs>(acc[i]));
+    __m256 out = _mm256_mul_ps(_mm256_mul_ps(sums, _mm256_set1_ps(X.scale[m0 + i])), w_scales);
+    if (bias) out = _mm256_add_ps(out, biases);
+    float* to = y + (m0 + i) * N + n0;
+    if (!whole) _mm256_maskstore_ps(to, valid, out);
+    else if (pairs == 4) _mm256_storeu_ps(to, out);
+    else _mm_storeu_ps(to, _mm256_castps256_ps128(out));
+  }
+}
+
+// Input rows [m0, m1) against the block of rows n0..: groups of 4 inputs x 4 rows, then 3 inputs x 4 rows or
+// 2 or 1 inputs x 8 rows (accumulators, inputs and a weight vector all in the 16 registers).
+inline void int8_tiles(const Packed<int8_t>& W, const float* w_scale, const QuantizedInput& X, float* y, const float* bias,
+                       int64_t N, int64_t m0, int64_t m1, int64_t n0) {
+  int64_t m = m0;
+  for (; m1 - m >= 4; m += 4)
+    for (int64_t r = 0; r < kBlock; r += 4) int8_tile<4, 2>(W, w_scale, X, y, bias, N, m, n0 + r);
+  if (m1 - m == 3)
+    for (int64_t r = 0; r < kBlock; r += 4) int8_tile<3, 2>(W, w_scale, X, y, bias, N, m, n0 + r);
+  if (m1 - m == 2) int8_tile<2, 4>(W, w_scale, X, y, bias, N, m, n0);
+  if (m1 - m == 1) int8_tile<1, 4>(W, w_scale, X, y, bias, N, m, n0);
+}
+
+// Input rows per pass over a thread's blocks: their codes (64 x K int16, 80-256 KiB here) stay in L2 while
+// every block of weights meets them.
+constexpr int64_t kInputChunk = 64;
+
+torch::Tensor run_int8(const Packed<int8_t>& W, const float* w_scale, const torch::Tensor& x,
+                       const c10::optional<torch::Tensor>& bias, int64_t N) {
+  const int64_t K = x.size(-1);
+  auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  auto codes = torch::empty({M, K}, x2.options().dtype(torch::kInt16));
+  auto x_scale = torch::empty({M}, x2.options());
+  auto y = torch::empty({M, N}, x2.options());
+  const float* xp = x2.data_ptr<float>();
+  const int64_t levels = activation_levels(K);
+  const QuantizedInput X{codes.data_ptr<int16_t>(), x_scale.data_ptr<float>(), K};
+  kiln::SpinPool::run(M, 16, [&](int64_t begin, int64_t end) {
+    quantize_rows(xp, K, levels, begin, end, codes.data_ptr<int16_t>(), x_scale.data_ptr<float>());
+  });
+  float* yp = y.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const int64_t blocks = (N + kBlock - 1) / kBlock;
+  kiln::SpinPool::run(blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += kInputChunk)
+      for (int64_t b = begin; b < end; ++b) int8_tiles(W, w_scale, X, yp, bp, N, m0, std::min(M, m0 + kInputChunk), b * kBlock);
+  });
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
+}
+
+torch::Tensor run_f32(const Packed<float>& W, const torch::Tensor& x, const c10::optional<torch::Tensor>& bias, int64_t N) {
   const int64_t K = x.size(-1);
   auto x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
@@ -178,14 +312,14 @@ void unpack_rows(const Packed<T>& W, const float* scale, int64_t begin, int64_t 
 torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t N) {
   TORCH_CHECK(w.scalar_type() == torch::kFloat32, "w: packed float32");
   check_input(x, w, bias, N);
-  return run(F32Rows{{w.data_ptr<float>(), x.size(-1)}}, x, bias, N);
+  return run_f32(Packed<float>{w.data_ptr<float>(), x.size(-1)}, x, bias, N);
 }
 
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(w.scalar_type() == torch::kInt8, "w: packed int8");
   TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32, "scale: contiguous float32 [N]");
   check_input(x, w, bias, scale.numel());
-  return run(Int8Rows{{w.data_ptr<int8_t>(), x.size(-1)}, scale.data_ptr<float>()}, x, bias, scale.numel());
+  return run_int8(Packed<int8_t>{w.data_ptr<int8_t>(), x.size(-1)}, scale.data_ptr<float>(), x, bias, scale.numel());
 }
 
 // Writes the row-major float32 [N, K] matrix packed weights stand for into `out` (scale: int8's per-row
