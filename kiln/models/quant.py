@@ -6,10 +6,10 @@ head) against ~23 GB/s of read bandwidth here (bench/throughput.py measures it).
 int8 (one scale per output row). The kernel quantises each input row to int16 with a scale of its own
 (at least 8,256 levels for these layers' widths, so the rounding is far below the weights') and sums
 products exactly in int32: a row's result never depends on the other rows of its batch (INV-3), at any
-row count. The integer multiply-add runs at twice float32's rate on these CPUs, which is what batched
-decode, speculative verification and prefill need; it also beats widening the weights and running BLAS
-at every prefill size measured (512 rows of the gate/up projection: 12.3 against 17.4 ms), so every row
-count takes the kernel. bench/kernels.py measures the candidates this replaced (fbgemm fp16 and dynamic
+row count. One integer multiply-add instruction takes 16 products (a float32 FMA 8): 1.5-1.9x the
+float32-FMA kernel it replaced from 4 rows up, which is what batched decode, speculative verification
+and prefill need. It also beats widening the weights and running BLAS at every prefill size measured
+(512 rows of the gate/up projection: 12.3 against 17.4 ms), so every row count takes the kernel. bench/kernels.py measures the candidates this replaced (fbgemm fp16 and dynamic
 int8, aten's weight-only int8/int4, inductor); bench/weight_formats.py measures the format on the whole
 model. Two more were tried and dropped: int4 weights in groups of 32 (+93 % perplexity on the embedded
 model, and no faster), and int8 activations per 32-value block (llama.cpp's Q8_0 dot product: an input

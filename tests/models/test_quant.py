@@ -1,7 +1,8 @@
-"""Weight-only quantisation (kiln/models/quant.py and its kernel): the kernel computes exactly what the
-stored weights stand for at every row count; rows are batch-invariant; quantised models track the fp32
-logits on every tiny architecture; the quantised copy round-trips through the cache; engines generate
-with it; bad names and combinations are refused before anything loads."""
+"""Quantised linear layers (kiln/models/quant.py and its kernel): the int8 kernel computes exactly its
+stated integer arithmetic at every row count, within half an input step of the stored weights, without
+overflow; the float32 kernel computes the stored weights; rows are batch-invariant; quantised models
+track the fp32 logits on every tiny architecture; the quantised copy round-trips through the cache;
+engines generate with it; bad names and combinations are refused before anything loads."""
 
 from __future__ import annotations
 
