@@ -6,11 +6,14 @@ Shapes: the LM head (262144 x 640, most of the bytes a decode step reads), the f
 depend on values); the error is ||y - y_fp32|| / ||y_fp32|| on random normal inputs with a few outlier
 channels, as Gemma's activations have. Each figure is the median of `--repeats` calls after a warm-up;
 the candidates of a shape take turns call by call, so load from other processes falls on all alike.
+Each timed call follows a 20 ms pause and an untimed call of the same candidate: the thread pools of
+the candidate before it (OpenMP's, inductor's) otherwise still spin on the 2 cores when it starts.
 
 Candidates: fp32 F.linear (MKL); fbgemm fp16 and fbgemm dynamic int8 (activations quantised per
 tensor); aten's weight-only int8 (_weight_int8pack_mm) and int4 (_weight_int4pack_mm_for_cpu, groups of
-32); inductor (torch.compile) of the weight-only int8 matmul; Kiln's int8 kernel (kiln/models/kernels),
-and QuantizedLinear as the engine calls it (the kernel up to 64 rows, widen-and-BLAS above). Writes bench/results/kernels.json and .png.
+32); inductor (torch.compile) of the weight-only int8 matmul; Kiln's int8 kernel (kiln/models/kernels:
+int16 inputs, integer sums), and QuantizedLinear as the engine calls it. Writes bench/results/kernels.json
+and .png.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import argparse
 import warnings
 from collections.abc import Callable
 from statistics import median
-from time import perf_counter
+from time import perf_counter, sleep
 from typing import Any
 
 import common
@@ -87,6 +90,8 @@ def measure(shape: tuple[int, int], rows_list: list[int], repeats: int) -> dict[
         runnable = [name for name in funcs if isinstance(errors[name], float)]
         for _ in range(repeats):
             for name in runnable:
+                sleep(0.02)
+                funcs[name](x)
                 start = perf_counter()
                 funcs[name](x)
                 times[name].append(1e3 * (perf_counter() - start))
