@@ -5,9 +5,10 @@ Shapes: the LM head (262144 x 640, most of the bytes a decode step reads), the f
 (4096 x 640) and the down projection (640 x 2048). Weights are random normal (kernel speed does not
 depend on values); the error is ||y - y_fp32|| / ||y_fp32|| on random normal inputs with a few outlier
 channels, as Gemma's activations have. Each figure is the median of `--repeats` calls after a warm-up;
-the candidates of a shape take turns call by call, so load from other processes falls on all alike.
-Each timed call follows a 20 ms pause and an untimed call of the same candidate: the thread pools of
-the candidate before it (OpenMP's, inductor's) otherwise still spin on the 2 cores when it starts.
+each candidate's calls run back to back after two untimed ones, as a model makes them. (Candidates
+taking turns call by call measured Kiln's kernel 1.3-3.4x slower than this: the thread pools of the
+candidate before it, OpenMP's or inductor's, still spun on the 2 cores when it started; a pause before
+each call instead let the virtual CPUs idle, and small calls then took up to 10x longer.)
 
 Candidates: fp32 F.linear (MKL); fbgemm fp16 and fbgemm dynamic int8 (activations quantised per
 tensor); aten's weight-only int8 (_weight_int8pack_mm) and int4 (_weight_int4pack_mm_for_cpu, groups of
@@ -22,7 +23,7 @@ import argparse
 import warnings
 from collections.abc import Callable
 from statistics import median
-from time import perf_counter, sleep
+from time import perf_counter
 from typing import Any
 
 import common
@@ -88,10 +89,10 @@ def measure(shape: tuple[int, int], rows_list: list[int], repeats: int) -> dict[
             except Exception as error:  # a candidate that does not run here is recorded, not hidden
                 errors[name] = f"{type(error).__name__}: {error}"[:200]
         runnable = [name for name in funcs if isinstance(errors[name], float)]
-        for _ in range(repeats):
-            for name in runnable:
-                sleep(0.02)
+        for name in runnable:
+            for _ in range(2):
                 funcs[name](x)
+            for _ in range(repeats):
                 start = perf_counter()
                 funcs[name](x)
                 times[name].append(1e3 * (perf_counter() - start))
