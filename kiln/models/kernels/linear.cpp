@@ -120,7 +120,7 @@ inline void tiles(const Packed<float>& W, const float* x, float* y, const float*
 // order is free: the result depends on the row alone, never on its batch (INV-3). One _mm256_madd_epi16
 // multiplies 16 int16 pairs (an FMA: 8 floats) and widening int8 to int16 is one instruction per 16
 // weights (into float32: two per 8). Measured on the embedded model's projections against the kernel this
-// replaced (int8 widened to float32, FMA): 1.5-1.9x faster from 4 rows up (LM head at 8 rows 22.0 against
+// replaced (int8 widened to float32, FMA): 1.5-1.9x faster from 4 rows up (LM head at 8 rows 22.6 against
 // 13.4 ms, 16 rows 42.8 against 25.2), about equal at one row, where reading the weights is the bound;
 // and faster than widening the weights once for BLAS at every prefill size tried (up to 512 rows).
 //
