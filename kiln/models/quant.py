@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 QUANTIZATIONS = ("int8",)
 KERNEL_FORMATS = ("float32", *QUANTIZATIONS)
+# Wider inputs would leave the kernel fewer than 127 int16 levels (its int32 sums must not overflow).
+INT8_MAX_FEATURES = (2**31 - 1) // (127 * 127)
 QUANT_VERSION = 2  # bump when the stored quantised format changes (2: packed blocks of 8 rows)
 PACK_ROWS = 8  # output rows per packed block (kernels/linear.cpp, kBlock)
 
@@ -81,6 +83,8 @@ class QuantizedLinear(nn.Module):
             raise InvalidArgumentError(f"quantization must be one of {list(QUANTIZATIONS)}, got {fmt!r}")
         if weight.shape[1] % 8:
             raise InvalidArgumentError(f"{fmt} weights need in_features divisible by 8, got {weight.shape[1]}")
+        if fmt == "int8" and weight.shape[1] > INT8_MAX_FEATURES:
+            raise InvalidArgumentError(f"int8 weights take at most {INT8_MAX_FEATURES} in_features, got {weight.shape[1]}")
         weight = weight.detach()
         bias = None if bias is None else bias.detach().contiguous()
         if fmt == "float32":

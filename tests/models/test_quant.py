@@ -214,6 +214,8 @@ def test_bad_names_and_combinations_are_refused_before_loading() -> None:
         QuantizedLinear.quantize(torch.zeros(4, 32, dtype=torch.bfloat16), None, "int8")
     with pytest.raises(InvalidArgumentError, match="int8 weights need in_features divisible by 8"):
         QuantizedLinear.quantize(torch.zeros(4, 36), None, "int8")
+    with pytest.raises(InvalidArgumentError, match="int8 weights take at most 133144 in_features, got 133152"):
+        QuantizedLinear.quantize(torch.zeros(1, 133152), None, "int8")
 
 
 def test_sessions_generate_with_quantized_weights(tiny_llm) -> None:
