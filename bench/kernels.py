@@ -8,8 +8,8 @@ channels, as Gemma's activations have. Each figure is the median of `--repeats` 
 each candidate's calls run back to back after two untimed ones, as a model makes them. (Candidates
 taking turns call by call measured Kiln's kernel up to 2.4x slower than this, the down projection at 256
 rows 7.7 against 3.2 ms: the thread pools of the candidate before it, OpenMP's or inductor's, still spun
-on the 2 cores when it started; a pause before
-each call instead let the virtual CPUs idle, and small calls then took up to 10x longer.)
+on the 2 cores when it started; a pause before each call instead let the virtual CPUs idle, and small
+calls then took up to 10x longer.)
 
 Candidates: fp32 F.linear (MKL); fbgemm fp16 and fbgemm dynamic int8 (activations quantised per
 tensor); aten's weight-only int8 (_weight_int8pack_mm) and int4 (_weight_int4pack_mm_for_cpu, groups of
