@@ -82,8 +82,9 @@ class CausalLM(nn.Module):
         """Compute norms (with their residual adds), q/k norms + RoPE and the MLP's gated activation with
         Kiln's fused CPU kernels (kernels/norms.cpp, activations.cpp) from now on: float32 on a CPU the
         kernels support. Decode of a small model is dominated by per-op overhead there, and these replace
-        about twenty-five ops per layer; results agree with the op-by-op path to float rounding. Widths the kernels do not take (norms not a multiple of 8 wide, heads not a
-        multiple of 16) keep the op-by-op path."""
+        about twenty-five ops per layer; results agree with the op-by-op path to float rounding. Widths the
+        kernels do not take (norms not a multiple of 8 wide, heads not a multiple of 16) keep the op-by-op
+        path."""
         kernels()  # built (or loaded) now, not inside the first request
         for module in self.modules():
             if isinstance(module, RMSNorm):

@@ -57,13 +57,6 @@ constexpr int64_t kMaxPage = 256;  // tokens per page
 constexpr int64_t kChunkTokens = 256;  // a query's keys are split at multiples of this position
 constexpr int64_t kRowBlock = 16;  // consecutive query rows of a sequence that read each page together
 
-inline float horizontal_sum(__m256 acc) {
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-  sum = _mm_add_ss(sum, _mm_shuffle_ps(sum, sum, 1));
-  return _mm_cvtss_f32(sum);
-}
-
 // score[j][i] = (query head j . key i) * scale for G query heads at once: each key is loaded once for all
 // of them, and the 2 G accumulators (even and odd 8-lane blocks) keep the multiply-adds overlapping. The
 // values' cache lines are prefetched meanwhile; they are read next. Both tiles are forced inline: with two
@@ -88,7 +81,7 @@ template <int G>
       const __m256 k0 = _mm256_loadu_ps(key + d);
       for (int j = 0; j < G; ++j) even[j] = _mm256_fmadd_ps(_mm256_loadu_ps(query + j * D + d), k0, even[j]);
     }
-    for (int j = 0; j < G; ++j) score[j][i] = horizontal_sum(_mm256_add_ps(even[j], odd[j])) * scale;
+    for (int j = 0; j < G; ++j) score[j][i] = kiln::horizontal_sum(_mm256_add_ps(even[j], odd[j])) * scale;
   }
 }
 

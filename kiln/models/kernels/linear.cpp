@@ -42,15 +42,6 @@ constexpr int64_t kBlock = 8;
 // small matrices; none: 20-25 % slower).
 constexpr int64_t kPrefetchBytes = 2048;
 
-inline float horizontal_sum(__m256 v) {
-  __m128 low = _mm256_castps256_ps128(v);
-  __m128 high = _mm256_extractf128_ps(v, 1);
-  __m128 sum = _mm_add_ps(low, high);
-  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-  sum = _mm_add_ss(sum, _mm_shuffle_ps(sum, sum, 1));
-  return _mm_cvtss_f32(sum);
-}
-
 // The packed weights of one format; `at(n, k)` points at row n's values k..k+7 (k a multiple of 8).
 template <typename T>
 struct Packed {
@@ -87,7 +78,7 @@ __attribute__((noinline)) void tile(const Packed<float>& W, const float* x, floa
   }
   for (int64_t i = 0; i < inputs; ++i)
     for (int64_t r = 0; r < rows && n0 + r < N; ++r) {
-      const float out = horizontal_sum(acc[i][r]);
+      const float out = kiln::horizontal_sum(acc[i][r]);
       y[(m0 + i) * N + n0 + r] = bias ? out + bias[n0 + r] : out;
     }
 }
@@ -159,9 +150,8 @@ void quantize_rows(const float* x, int64_t K, int64_t levels, int64_t begin, int
 }
 
 struct QuantizedInput {
-  const int16_t* q;
+  const int16_t* q;  // [M, K], K the weights'
   const float* scale;
-  int64_t K;
 };
 
 // The sums of the accumulators of `pairs` row pairs (each: row n's 4 lanes, then row n + 1's), in row order
@@ -183,7 +173,7 @@ inline __m256i row_sums(const __m256i* acc) {
 template <int64_t inputs, int64_t pairs>
 __attribute__((noinline)) void int8_tile(const Packed<int8_t>& W, const float* w_scale, const QuantizedInput& X, float* y,
                                          const float* bias, int64_t N, int64_t m0, int64_t n0) {
-  const int64_t K = X.K;
+  const int64_t K = W.K;
   __m256i acc[inputs][pairs];
   for (int64_t i = 0; i < inputs; ++i)
     for (int64_t p = 0; p < pairs; ++p) acc[i][p] = _mm256_setzero_si256();
@@ -253,7 +243,7 @@ torch::Tensor run_int8(const Packed<int8_t>& W, const float* w_scale, const torc
   int16_t* const q = codes.data();  // the workers take these pointers: in a worker, `codes` names its own
   float* const q_scale = x_scale.data();
   kiln::SpinPool::run(M, 16, [&](int64_t begin, int64_t end) { quantize_rows(xp, K, levels, begin, end, q, q_scale); });
-  const QuantizedInput X{q, q_scale, K};
+  const QuantizedInput X{q, q_scale};
   float* yp = y.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t blocks = (N + kBlock - 1) / kBlock;

@@ -1,6 +1,7 @@
-// exp over 8 floats with AVX2, for the kernels that need one per value (activations, attention weights).
+// Vector helpers the kernels share: exp over 8 floats (activations, attention weights), a fixed-order
+// horizontal sum, masks for partial vectors.
 //
-// The usual Cody-Waite reduction to r in [-ln2 / 2, ln2 / 2] (ln 2 in two parts, the first exact) and a
+// exp256: the usual Cody-Waite reduction to r in [-ln2 / 2, ln2 / 2] (ln 2 in two parts, the first exact) and a
 // degree-6 polynomial, scaled by 2^n through the exponent bits: about 1 ulp. Below -87.33 (where exp
 // leaves float32's normal range) the result is 0; above 88 it is clamped to exp(88).
 #pragma once
@@ -23,6 +24,15 @@ inline __m256 exp256(__m256 x) {
   const __m256 e = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
   const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(e, _mm256_castsi256_ps(power)));
+}
+
+// The sum of 8 floats in a fixed order (halves, then pairs, then the last two): the kernels' results must not
+// depend on which of them reduced a vector.
+inline float horizontal_sum(__m256 v) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  sum = _mm_add_ss(sum, _mm_shuffle_ps(sum, sum, 1));
+  return _mm_cvtss_f32(sum);
 }
 
 // Lanes [0, n) set, n in [0, 8]: the mask of a partial last vector for maskload / maskstore (which cost more
