@@ -1,6 +1,7 @@
 """Weight formats on the embedded Gemma 3 270M: decode speed, prefill speed, weight bytes, perplexity,
-greedy agreement and a needle question, for `quantization` None ("exact") / int8 / int4
-(kiln/models/quant.py).
+greedy agreement and a needle question, for `quantization` None ("exact") and int8 (kiln/models/quant.py),
+each with the KV pages its configuration ships with (`kv_dtype` "auto": float32 for exact, float16 for
+int8), and int8 with float32 KV pages, which tells what each half of the default costs.
 
 - decode: one fresh session per run, a short prompt, `--decode-tokens` greedy tokens; tokens/s after the
   first token, median of `--repeats` runs after one untimed warm-up. The formats' engines all live at
@@ -32,6 +33,7 @@ import common
 import torch
 
 from kiln import LLM
+from kiln.config import EngineConfig
 from kiln.engine.runner import Chunk, ModelRunner
 from kiln.engine.sequence import Sequence
 from kiln.kv.cache import KVCache
@@ -45,7 +47,11 @@ from kiln.models.causal_lm import CausalLM
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"
 PPL_TEXT = "bench/data/perplexity.txt"
-FORMATS = {"exact": None, "int8": "int8"}  # label -> EngineConfig.quantization
+FORMATS: dict[str, dict[str, Any]] = {  # label -> EngineConfig options
+    "exact": {"quantization": None},
+    "int8": {"quantization": "int8"},  # the CPU default: float16 KV pages
+    "int8-kv32": {"quantization": "int8", "kv_dtype": "float32"},
+}
 AGREEMENT_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -89,13 +95,16 @@ def speed(llms: dict[str, LLM], args: argparse.Namespace) -> dict[str, dict[str,
 
 
 @torch.inference_mode()
-def perplexity(loaded, fmt: str | None, tokens: list[int], chunk: int) -> float:  # noqa: ANN001 - LoadedModel
-    """exp(mean negative log-likelihood) of tokens[1:] given their prefixes, one chunk per forward."""
-    model = quantize_model(_loaded_model(loaded), fmt)
+def perplexity(loaded, options: dict[str, Any], tokens: list[int], chunk: int) -> float:  # noqa: ANN001 - LoadedModel
+    """exp(mean negative log-likelihood) of tokens[1:] given their prefixes, one chunk per forward, with the
+    weights and KV pages EngineConfig(**options) picks."""
+    config = EngineConfig(**options)
+    model = quantize_model(_loaded_model(loaded), config.quantization)
     layout = KVLayout.for_model(loaded.config, 16)
     pages = layout.num_groups * (len(tokens) // 16 + 2)
-    kv_format = KVFormat("bench", dtype_name(torch.float32), dtype_name(torch.float32), "raw", 16)
-    cache = KVCache(layout, pages, KVCodec("none", layout, torch.float32), "cpu", kv_format)
+    kv_dtype = config.torch_kv_dtype
+    kv_format = KVFormat("bench", dtype_name(torch.float32), dtype_name(kv_dtype), "raw", 16)
+    cache = KVCache(layout, pages, KVCodec("none", layout, kv_dtype), "cpu", kv_format)
     runner = ModelRunner(model, cache.storage)
     seq = Sequence(tokens, PageTable.empty(layout.num_groups))
     nll, count = 0.0, 0
@@ -151,7 +160,7 @@ def main() -> None:
     ppl_tokens = loaded.tokenizer.encode((ROOT / PPL_TEXT).read_text())[: args.ppl_tokens]
     formats = args.formats.split(",")
     llms = {
-        fmt: LLM(loaded=loaded, quantization=FORMATS[fmt], speculative=None, kv_budget_bytes=256 * 1024**2,
+        fmt: LLM(loaded=loaded, **FORMATS[fmt], speculative=None, kv_budget_bytes=256 * 1024**2,
                  num_threads=common.THREADS)
         for fmt in formats
     }
@@ -166,6 +175,7 @@ def main() -> None:
         llm.close()
     del llms
     for fmt in formats:
+        results[fmt]["kv_dtype"] = dtype_name(EngineConfig(**FORMATS[fmt]).torch_kv_dtype)
         results[fmt]["perplexity"] = perplexity(loaded, FORMATS[fmt], ppl_tokens, args.ppl_chunk)
     if "exact" in results:
         for fmt in formats:
@@ -196,7 +206,7 @@ def plot(name: str, results: dict[str, Any]) -> None:
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.5))
     for ax, (label, values) in zip(axes, panels, strict=True):
-        bars = ax.bar(formats, values, color=["tab:gray", "tab:blue", "tab:orange"][: len(formats)])
+        bars = ax.bar(formats, values, color=["tab:gray", "tab:blue", "tab:cyan"][: len(formats)])
         ax.bar_label(bars, labels=[f"{v:.3g}" for v in values], fontsize=8)
         ax.set(title=label)
         ax.grid(True, axis="y", alpha=0.3)

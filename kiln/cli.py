@@ -24,6 +24,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-budget-mb", type=int, default=None, help="memory for KV pages, MiB")
     parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    parser.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="KV pages' dtype (default auto: float16 with quantised weights on the CPU, else --dtype)")
     parser.add_argument("--quantization", choices=[*QUANTIZATIONS, "none"], default=None,
                         help="int8 projections and LM head (default auto: int8 on AVX2 CPUs with a C++ compiler); "
                         "none = exact weights in --dtype")
@@ -66,6 +68,7 @@ def _llm(args: argparse.Namespace) -> LLM:
     options: dict[str, object] = {
         "page_size": args.page_size,
         "dtype": args.dtype,
+        "kv_dtype": args.kv_dtype,
         "deterministic": args.deterministic,
         "num_speculative_tokens": args.num_speculative_tokens,
         "max_num_seqs": args.max_num_seqs,

@@ -37,7 +37,10 @@ class EngineConfig:
     # is unchanged and sampling keeps its distribution. None turns it off.
     speculative: str | None = "ngram"
     num_speculative_tokens: int = 4
-    kv_dtype: str | None = None  # KV pages; None = same as dtype
+    # KV pages' dtype. None: the same as dtype. "auto": float16 where the weights are quantised on the CPU (the
+    # kernels read it in place at half float32's bytes, and decode attention is bound by reading them; llama.cpp
+    # keeps float16 K/V too), else the same as dtype, so the exact path (quantization None) stays exact.
+    kv_dtype: str | None = "auto"
     page_size: int = 16  # tokens per KV page
     kv_budget_bytes: int = 2 * 1024**3  # memory for KV pages; the pool is sized from it at start
     max_num_seqs: int = 32  # requests in one step
@@ -77,10 +80,10 @@ class EngineConfig:
         for name in ("page_size", "kv_budget_bytes", "max_num_seqs", "max_batched_tokens", "prefill_chunk_tokens", "max_sessions"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive")
-        for name in ("dtype", "kv_dtype"):
-            value = getattr(self, name)
-            if value is not None and value not in DTYPES:
-                problems.append(f"{name} must be one of {sorted(DTYPES)}, got {value!r}")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_dtype not in (None, "auto", *DTYPES):
+            problems.append(f"kv_dtype must be one of {sorted(DTYPES)}, 'auto' or None, got {self.kv_dtype!r}")
         on_cpu = self.device.split(":")[0] == "cpu"
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             problems.append(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {self.quantization!r}")
@@ -88,11 +91,13 @@ class EngineConfig:
             object.__setattr__(self, "quantization", "int8" if on_cpu and self.dtype == "float32" and kernels_supported() else None)
         elif self.quantization is not None and on_cpu and self.dtype != "float32":
             problems.append(f"quantization {self.quantization!r} on the CPU takes float32 activations; got dtype {self.dtype!r}")
+        if self.kv_dtype == "auto":
+            object.__setattr__(self, "kv_dtype", "float16" if on_cpu and self.quantization is not None else None)
         if not isinstance(self.deterministic, bool):
             problems.append(f"deterministic must be a boolean, got {self.deterministic!r}")
-        elif self.deterministic and (not on_cpu or self.dtype != "float32" or self.kv_dtype not in (None, "float32") or not kernels_supported()):
+        elif self.deterministic and (not on_cpu or self.dtype != "float32" or self.kv_dtype == "bfloat16" or not kernels_supported()):
             problems.append(
-                f"deterministic needs device 'cpu' with AVX2 and a C++ compiler, dtype 'float32' and float32 KV pages (got dtype {self.dtype!r}, "
+                f"deterministic needs device 'cpu' with AVX2 and a C++ compiler, dtype 'float32' and float32 or float16 KV pages (got dtype {self.dtype!r}, "
                 f"kv_dtype {self.kv_dtype!r} on {self.device!r}): its batch-invariant kernels exist for that only"
             )
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import tokenizers
-import torch
 from tokenizers import decoders, models, pre_tokenizers
 
+from kiln.config import EngineConfig
 from kiln.kv.codec import KVCodec
 from kiln.kv.layout import KVLayout
 from kiln.llm import LLM
@@ -57,7 +57,8 @@ def tiny_llm(tiny_loaded):
         options.setdefault("kv_budget_bytes", 16 * 1024**2)
         if kv_pages is not None:
             layout = KVLayout.for_model(loaded.config, int(options.get("page_size", 16)))
-            codec = KVCodec(str(options.get("kv_codec", "none")), layout, torch.float32)
+            config = EngineConfig.from_kwargs(**options)
+            codec = KVCodec(config.kv_codec, layout, config.torch_kv_dtype)
             options["kv_budget_bytes"] = kv_pages * codec.page_nbytes
         llm = LLM(loaded=loaded, **options)
         made.append(llm)

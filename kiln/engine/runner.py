@@ -14,7 +14,6 @@ from kiln.kv.storage import PageStorage
 from kiln.kv.tiers import PageTiers
 from kiln.models.attention import AttentionBatch
 from kiln.models.kernels import kernels
-from kiln.models.kernels import supported as kernels_supported
 
 
 @dataclass
@@ -50,8 +49,8 @@ class ModelRunner:
         self.stream_pages = stream_pages  # pages per chunk of streamed attention
         self.batch_invariant = batch_invariant  # the deterministic mode's attention kernel
         # Steps of few rows per sequence (decode, verification; see AttentionBatch) attend with the in-place
-        # kernel where it runs: float32 or int8 / int4 coded pages on an AVX2 CPU.
-        self.kernel_attention = storage.read_dtype == torch.float32 and storage.device.type == "cpu" and kernels_supported()
+        # kernel where it runs: float32, float16 or int8 / int4 coded pages on an AVX2 CPU.
+        self.kernel_attention = storage.kernel_pages
         if self.kernel_attention or batch_invariant:
             kernels()  # built (or loaded) now, not inside the first request
         self.storage = storage

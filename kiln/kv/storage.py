@@ -15,6 +15,10 @@ from kiln.kv.layout import KVLayout
 from kiln.models.kernels import kernels
 from kiln.models.kernels import supported as kernels_supported
 
+# What the C++ kernels read and write (kv_store.cpp, attention.cpp): raw pages of these dtypes, and every
+# codec's codes, which decode to float32.
+KERNEL_DTYPES = (torch.float32, torch.float16)
+
 
 class PageStorage:
     def __init__(self, layout: KVLayout, num_pages: int, codec: KVCodec, device: str | torch.device) -> None:
@@ -28,8 +32,9 @@ class PageStorage:
         # Views of each slot's K and V segments across the pool, built once: every layer of every step uses them.
         self._segments = [(codec.segment(self.data, 0, s), codec.segment(self.data, 1, s)) for s in range(layout.slots)]
         # New rows are stored (and encoded) by the C++ kernel where it runs: the same bytes as the codec's torch
-        # path, without its handful (raw) or score (coded) of small operations per layer.
-        self._store_kernel = self.data.device.type == "cpu" and codec.read_dtype == torch.float32 and kernels_supported()
+        # path, without its handful (raw) or score (coded) of small operations per layer. Attention reads them in
+        # place there too (Runner.kernel_attention).
+        self.kernel_pages = self.data.device.type == "cpu" and codec.read_dtype in KERNEL_DTYPES and kernels_supported()
 
     @property
     def device(self) -> torch.device:
@@ -58,7 +63,7 @@ class PageStorage:
     def write(self, slot: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Encode new K/V rows [N, kv_heads, head_dim] of one slot into (pages[i], offsets[i])."""
         for kind, (segment, x) in enumerate(zip(self._segments[slot], (k, v), strict=True)):
-            if self._store_kernel:
+            if self.kernel_pages:
                 kernels().store_kv(x.float().contiguous(), *segment.kernel_parts(), pages, offsets)
             else:
                 self.codec.store(segment, kind, (pages, offsets), x)

@@ -61,7 +61,7 @@ def test_tier_metrics_and_bytes_per_token(tiny_llm):
     session = llm.create_session(prompts(1, 200, seed=3)[0])
     greedy(session, 2)
     info = session.info()
-    raw = tiny_llm("llama", page_size=PAGE)
+    raw = tiny_llm("llama", page_size=PAGE, kv_dtype="float32")
     assert info.kv_bytes_per_token < raw.engine.kv_bytes_per_token / 3  # the pool holds int8 codes too
     assert info.tier_bytes_per_token == info.kv_bytes_per_token  # tiers keep the pool's bytes (llama: all layers global)
     assert llm.engine.kv_pages > 3 * raw.engine.kv_pages  # the same kv_budget_bytes holds the tokens

@@ -106,12 +106,12 @@ def test_unknown_codec_is_refused():
 
 
 @pytest.mark.skipif(not kernels_supported(), reason="Kiln's CPU kernels need AVX2 and a C++ compiler")
-@pytest.mark.parametrize("name", ["none", "int8", "int4"])
-def test_the_store_kernel_writes_the_torch_encodings_bytes(name):
-    """kernels/kv_store.cpp stores rows as the codec's torch path does, byte for byte (raw float32 pages, and
-    codes with zero rows and values below a float16 step), into scattered (page, offset) places of a pool's
-    views."""
-    codec = KVCodec(name, LAYOUT, torch.float32)
+@pytest.mark.parametrize("name,dtype", [("none", torch.float32), ("none", torch.float16), ("int8", torch.float32), ("int4", torch.float32)])
+def test_the_store_kernel_writes_the_torch_encodings_bytes(name, dtype):
+    """kernels/kv_store.cpp stores rows as the codec's torch path does, byte for byte (raw float32 pages, raw
+    float16 ones rounded as .half() rounds, overflow and ties included, and codes with zero rows and values
+    below a float16 step), into scattered (page, offset) places of a pool's views."""
+    codec = KVCodec(name, LAYOUT, dtype)
     gen = torch.Generator().manual_seed(0)
     places = torch.randperm(5 * 16, generator=gen)[:40]
     pages, offsets = places // 16, places % 16
@@ -119,6 +119,7 @@ def test_the_store_kernel_writes_the_torch_encodings_bytes(name):
     for kind in range(2):
         x = torch.randn(40, 2, 64, generator=gen) * torch.rand(40, 2, 1, generator=gen) * 5
         x[3], x[4, 0, :32] = 0.0, 1e-9
+        x[5, 0, :4] = torch.tensor([1e5, -7e4, 1 + 2**-11, 1 + 3 * 2**-11])  # beyond float16, and ties to even
         codec.store(codec.segment(torch_pool, kind, 1), kind, (pages, offsets), x)
         target = codec.segment(kernel_pool, kind, 1)
         kernels().store_kv(x, *target.kernel_parts(), pages, offsets)

@@ -1,4 +1,4 @@
-"""The attention kernel over coded KV pages (kernels/attention.cpp, paged_attention_coded): reading 8-bit
+"""The attention kernel over coded and float16 KV pages (kernels/attention.cpp): reading 8-bit
 and 4-bit codes (each side its own) in place from strided views of one byte pool, it returns bit for bit what paged_attention
 returns on the pages dequantised by torch, for decode and multi-row steps, several sequences with shuffled
 pages and padding, windows and long histories; a query's result does not depend on its batch; bad inputs
@@ -120,6 +120,27 @@ def test_coded_pages_give_the_float32_kernels_bits(fmt: str, case: str) -> None:
     assert torch.equal(alone, got[mine])
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_float16_pages_give_the_float32_kernels_bits(case: str) -> None:
+    """Raw float16 pages are read in place, widened exactly: the bits paged_attention gives on float32 pages
+    holding the same values, and a query's result does not depend on its batch."""
+    lengths, rows, window, kv_heads, per_kv, dim, _ = CASES[case]
+    page_size, pages = 16, 2 + sum(math.ceil(n / 16) for n in lengths)
+    gen = torch.Generator().manual_seed(len(case))
+    k_pages, v_pages = (torch.randn(pages, page_size, kv_heads, dim, generator=gen).half() for _ in range(2))
+    table, first, row_seq, row_pos = step(lengths, rows, page_size, pages, seed=3)
+    q = torch.randn(len(row_seq), kv_heads * per_kv, dim, generator=gen)
+    scale = dim**-0.5
+    expected = kernels().paged_attention(q, k_pages.float(), v_pages.float(), table, first, row_seq, row_pos, window, scale)
+    got = kernels().paged_attention(q, k_pages, v_pages, table, first, row_seq, row_pos, window, scale)
+    assert torch.equal(got, expected), f"differs by {(got - expected).abs().max()}"
+    b = len(lengths) - 1
+    mine = row_seq == b
+    alone = kernels().paged_attention(q[mine].contiguous(), k_pages, v_pages, table[b:], first[b:],
+                                      torch.zeros(int(mine.sum()), dtype=torch.long), row_pos[mine], window, scale)
+    assert torch.equal(alone, got[mine])
+
+
 def test_bad_inputs_are_refused() -> None:
     pool = CodedPool(4, 16, 2, 64, (4, 4), 32, seed=0)
     table, first, row_seq, row_pos = step([40], [1], 16, 4, seed=0)
@@ -144,6 +165,11 @@ def test_bad_inputs_are_refused() -> None:
         attend(k_codes, torch.ones(4, 16, 2, 16, dtype=torch.float16), k_zeros, v_codes, v_scales, v_zeros)
     with pytest.raises(RuntimeError, match="contiguous inside a page"):
         attend(k_codes, k_scales, k_zeros, v_codes.transpose(1, 2).contiguous().transpose(1, 2), v_scales, v_zeros)
+    raw = kernels().paged_attention
+    with pytest.raises(RuntimeError, match="float32 or float16 .P, page_size, kv_heads, D., same dtype"):
+        raw(q, torch.zeros(4, 16, 2, 64, dtype=torch.half), torch.zeros(4, 16, 2, 64), table, first, row_seq, row_pos, 0, 0.125)
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        raw(q, *(torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2)), table, first, row_seq, row_pos, 0, 0.125)
     int8 = CodedPool(4, 16, 2, 64, (8, 8), 64, seed=0)
     with pytest.raises(RuntimeError, match="zeros must be empty"):
         attend(*int8.coded_args()[:2], int8.views["k_scales"], *int8.coded_args()[3:])

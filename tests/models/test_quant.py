@@ -181,7 +181,9 @@ def test_cli_flags_mirror_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     cli._llm(parser.parse_args(["--quantization", "int8", "--deterministic"]))
     assert seen["quantization"] == "int8" and seen["deterministic"] is True
     cli._llm(parser.parse_args(["--quantization", "none"]))
-    assert seen["quantization"] is None
+    assert seen["quantization"] is None and "kv_dtype" not in seen
+    cli._llm(parser.parse_args(["--kv-dtype", "float32"]))
+    assert seen["kv_dtype"] == "float32"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int4"])
 
@@ -190,6 +192,19 @@ def test_default_is_int8_on_this_cpu_and_none_is_exact() -> None:
     assert EngineConfig().quantization == "int8"
     assert EngineConfig(quantization=None).quantization is None
     assert EngineConfig(dtype="bfloat16").quantization is None  # auto: the kernels take float32
+
+
+def test_kv_pages_are_float16_with_quantised_weights_and_exact_without() -> None:
+    assert EngineConfig().kv_dtype == "float16" and EngineConfig().torch_kv_dtype == torch.float16
+    assert EngineConfig(quantization=None).kv_dtype is None and EngineConfig(quantization=None).torch_kv_dtype == torch.float32
+    assert EngineConfig(kv_dtype="float32").torch_kv_dtype == torch.float32
+    assert EngineConfig(quantization=None, kv_dtype="float16").torch_kv_dtype == torch.float16
+    assert EngineConfig(device="cuda", quantization=None, dtype="bfloat16").torch_kv_dtype == torch.bfloat16
+    assert EngineConfig(deterministic=True).kv_dtype == "float16"  # the kernels read float16 pages batch-invariantly
+    with pytest.raises(InvalidArgumentError, match="deterministic needs"):
+        EngineConfig(deterministic=True, kv_dtype="bfloat16")
+    with pytest.raises(InvalidArgumentError, match="kv_dtype must be one of"):
+        EngineConfig(kv_dtype="float8")
 
 
 def test_without_a_compiler_auto_is_exact_and_deterministic_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

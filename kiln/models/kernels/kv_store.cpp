@@ -1,4 +1,4 @@
-// Storing a step's new K/V rows into KV pages: raw float32, or encoded (kiln/kv/codec.py's 8-bit and 4-bit
+// Storing a step's new K/V rows into KV pages: raw float32 or float16, or encoded (kiln/kv/codec.py's 8-bit and 4-bit
 // formats).
 //
 // Why: the codec's torch encoding is some twenty small tensor operations per layer and side, which cost a
@@ -8,8 +8,8 @@
 //
 // Raw pages go through here too: two index_put calls per layer cost a decode step 0.5 ms.
 //
-// Layout: x [N, kv_heads, D] float32 rows; codes a view [P, page_size, kv_heads, D] float32 (raw: rows copied
-// as they are, scales and zeros empty), int8 (symmetric 8-bit, value = code * scale) or [..., D / 2] uint8
+// Layout: x [N, kv_heads, D] float32 rows; codes a view [P, page_size, kv_heads, D] float32 or float16 (raw:
+// rows copied as they are, or rounded to nearest even as torch's .half() does; scales and zeros empty), int8 (symmetric 8-bit, value = code * scale) or [..., D / 2] uint8
 // (4-bit, two a byte, even channel in the low nibble, value = code * scale + zero); scales (and zeros for 4
 // bits) float16 [P, page_size, kv_heads, G], one per group of D / G channels; any page stride, contiguous
 // inside a page. Row n goes to (pages[n], offsets[n]).
@@ -29,6 +29,14 @@ inline float to_half_and_back(float x, at::Half* out) {
   const uint16_t bits = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
   out->x = bits;
   return _cvtsh_ss(bits);
+}
+
+// Rounded to nearest even, overflow to infinity: the IEEE conversion torch's .half() makes.
+void to_half(const float* x, int64_t D, at::Half* out) {
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d), _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT));
+  for (; d < D; ++d) out[d].x = _cvtss_sh(x[d], _MM_FROUND_TO_NEAREST_INT);
 }
 
 void encode_8bit(const float* x, int64_t D, int64_t group, int8_t* codes, at::Half* scales) {
@@ -59,8 +67,10 @@ void encode_4bit(const float* x, int64_t D, int64_t group, uint8_t* codes, at::H
 void store_kv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, torch::Tensor pages,
               torch::Tensor offsets) {
   TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x: contiguous float32 [N, kv_heads, D]");
-  const bool raw = codes.scalar_type() == torch::kFloat32, four = codes.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(raw || four || codes.scalar_type() == torch::kInt8, "codes: float32 (raw), int8 (8-bit) or uint8 (two 4-bit codes a byte)");
+  const bool half = codes.scalar_type() == torch::kHalf, raw = half || codes.scalar_type() == torch::kFloat32;
+  const bool four = codes.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(raw || four || codes.scalar_type() == torch::kInt8,
+              "codes: float32 or float16 (raw), int8 (8-bit) or uint8 (two 4-bit codes a byte)");
   const int64_t N = x.size(0), kv_heads = x.size(1), D = x.size(2), groups = raw ? 1 : scales.size(-1);
   TORCH_CHECK(codes.dim() == 4 && codes.size(2) == kv_heads && codes.size(3) == (four ? D / 2 : D) && codes.stride(3) == 1 &&
               codes.stride(2) == codes.size(3) && codes.stride(1) == kv_heads * codes.size(3), "codes: [P, page_size, kv_heads, D or D / 2], contiguous inside a page");
@@ -85,6 +95,10 @@ void store_kv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch:
     for (int64_t r = begin; r < end; ++r) {
       const int64_t n = r / kv_heads, h = r % kv_heads;
       uint8_t* row_codes = code_base + (page[n] * codes.stride(0) + offset[n] * codes.stride(1) + h * codes.stride(2)) * code_bytes;
+      if (half) {
+        to_half(xp + r * D, D, reinterpret_cast<at::Half*>(row_codes));
+        continue;
+      }
       if (raw) {
         std::memcpy(row_codes, xp + r * D, D * sizeof(float));
         continue;
