@@ -18,6 +18,11 @@ they are timed apart as `first_turn_s`).
   conversation as text (its server takes no token ids) to /v1/completions; it serves one request at a
   time and keeps one prompt cache. Its generated token count is its reply re-tokenized.
 
+kiln-grpc and llamacpp run `--repeats` times each, taking turns run by run, and every figure is the median
+over the runs (each run is in `runs`): a run at N = 8 lasts about ten seconds, and on this shared machine
+one such window was seen to cost Kiln 30 % (99 against 134-141 tokens/s in the runs just after).
+llamacpp-server runs once: at 200-400 s a run it is no contender, only what a user would start.
+
 Goal (issue 7): Kiln's aggregate tokens/s at N = 8 >= 2x llama.cpp's. Writes bench/results/agents.json
 and .png.
 """
@@ -201,24 +206,30 @@ def main() -> None:
     parser.add_argument("--first-tokens", type=int, default=400)
     parser.add_argument("--new-tokens", type=int, default=50)
     parser.add_argument("--gen-tokens", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of kiln-grpc and llamacpp per N")
     args = common.parse_run_args(parser, "agents", "agents 1 and 2, 2 turns", _quick)
     systems = [s for s in args.peers.split(",") if s]
     _, machine, loaded = common.start("kiln")
     results: dict[str, Any] = {s: {} for s in systems}
+    runners = {"kiln-grpc": lambda scripts: run_kiln(scripts, args),
+               "llamacpp": lambda scripts: run_llamacpp(loaded, scripts, args),
+               "llamacpp-server": lambda scripts: run_llamacpp_server(loaded, scripts, args)}
     for n in args.agents:
         scripts = agent_scripts(loaded, n, args)
-        for system in systems:
-            missing = common.missing_reason("llamacpp" if system.startswith("llamacpp") else "kiln-grpc")
-            if missing:
-                results[system][str(n)] = {"skipped": missing}
-                continue
-            if system == "kiln-grpc":
-                results[system][str(n)] = run_kiln(scripts, args)
-            elif system == "llamacpp":
-                results[system][str(n)] = run_llamacpp(loaded, scripts, args)
-            else:
-                results[system][str(n)] = run_llamacpp_server(loaded, scripts, args)
-            print(system, n, results[system][str(n)], flush=True)
+        runs: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
+        for repeat in range(args.repeats):
+            for system in systems:
+                if system == "llamacpp-server" and repeat:
+                    continue
+                missing = common.missing_reason("llamacpp" if system.startswith("llamacpp") else "kiln-grpc")
+                if missing:
+                    results[system][str(n)] = {"skipped": missing}
+                    continue
+                runs[system].append(runners[system](scripts))
+                print(system, n, runs[system][-1], flush=True)
+        for system, done in runs.items():
+            if done:
+                results[system][str(n)] = {**medians(done), "runs": done}
     ratios = {str(n): common.ratio(_tps(results, "kiln-grpc", n), _tps(results, "llamacpp", n)) for n in args.agents}
     payload = {"method": __doc__, "settings": vars(args), "machine": machine, "results": results,
                "kiln_vs_llamacpp_aggregate_tokens_per_s": ratios}
@@ -226,12 +237,23 @@ def main() -> None:
     plot(args.name, results, args.agents)
 
 
+def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over the runs (nested ones too: the speculation counters)."""
+    out: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        if isinstance(value, dict):
+            out[key] = medians([run[key] for run in runs])
+        else:
+            out[key] = median(run[key] for run in runs)
+    return out
+
+
 def _tps(results: dict[str, Any], system: str, n: int) -> float | None:
     return results.get(system, {}).get(str(n), {}).get("aggregate_tokens_per_s")
 
 
 def _quick(args: argparse.Namespace) -> None:
-    args.agents, args.turns = [1, 2], 2
+    args.agents, args.turns, args.repeats = [1, 2], 2, 1
 
 
 def plot(name: str, results: dict[str, Any], agents: list[int]) -> None:
