@@ -234,7 +234,8 @@ def machine_info() -> dict[str, Any]:
         "llama_cpp_python": _version("llama-cpp-python"),
         "kiln_package": _kiln_package(),
         "git_commit": _git("rev-parse", "HEAD"),
-        "git_dirty": bool(_git("status", "--porcelain")),
+        # Results written by an earlier bench of the same sequence do not change the code measured.
+        "git_dirty": bool(_git("status", "--porcelain", "--", ":(top)", ":(top,exclude)bench/results")),
         "load_average_at_start": list(os.getloadavg()),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
