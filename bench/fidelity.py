@@ -146,9 +146,10 @@ def perplexity(llm: LLM, policy: KVPolicy, codec: str, tokens: list[int], chunk:
     config = llm.engine.model_config
     layout = KVLayout.for_model(config, llm.config.page_size)
     pages = layout.num_groups * (len(tokens) // layout.page_size + 2)
-    kv_codec = KVCodec(codec, layout, torch.float32)
+    kv_dtype = llm.config.torch_kv_dtype  # the engine's own page dtype, as its ladder and sessions use
+    kv_codec = KVCodec(codec, layout, kv_dtype)
     tiers = PageTiers(kv_codec, pages * kv_codec.page_nbytes)
-    kv_format = KVFormat("bench", dtype_name(torch.float32), dtype_name(torch.float32), codec, layout.page_size)
+    kv_format = KVFormat("bench", dtype_name(torch.float32), dtype_name(kv_dtype), codec, layout.page_size)
     cache = KVCache(layout, pages, kv_codec, "cpu", kv_format, tiers)
     runner = ModelRunner(llm.engine.model, cache.storage, tiers=tiers, stream_pages=64)
     return common.teacher_forced_perplexity(cache, runner, Sequence(tokens, PageTable.empty(layout.num_groups, policy)), chunk)
