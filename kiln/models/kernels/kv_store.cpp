@@ -9,10 +9,11 @@
 // Raw pages go through here too: two index_put calls per layer cost a decode step 0.5 ms.
 //
 // Layout: x [N, kv_heads, D] float32 rows; codes a view [P, page_size, kv_heads, D] float32 or float16 (raw:
-// rows copied as they are, or rounded to nearest even as torch's .half() does; scales and zeros empty), int8 (symmetric 8-bit, value = code * scale) or [..., D / 2] uint8
-// (4-bit, two a byte, even channel in the low nibble, value = code * scale + zero); scales (and zeros for 4
-// bits) float16 [P, page_size, kv_heads, G], one per group of D / G channels; any page stride, contiguous
-// inside a page. Row n goes to (pages[n], offsets[n]).
+// rows copied as they are, or rounded to nearest even as torch's .half() does; scales and zeros empty),
+// int8 (symmetric 8-bit, value = code * scale) or [..., D / 2] uint8 (4-bit, two a byte, even channel in
+// the low nibble, value = code * scale + zero); scales (and zeros for 4 bits) float16 [P, page_size,
+// kv_heads, G], one per group of D / G channels; any page stride, contiguous inside a page. Row n goes to
+// (pages[n], offsets[n]).
 #include <torch/extension.h>
 #include <immintrin.h>
 
