@@ -13,7 +13,7 @@ calls then took up to 10x longer.)
 
 Candidates: fp32 F.linear (MKL); fbgemm fp16 and fbgemm dynamic int8 (activations quantised per
 tensor); aten's weight-only int8 (_weight_int8pack_mm) and int4 (_weight_int4pack_mm_for_cpu, groups of
-32); inductor (torch.compile) of the weight-only int8 matmul; Kiln's int8 kernel (kiln/models/kernels:
+32); inductor (torch.compile) of the weight-only int8 matmul; Kiln's int8 kernel (kiln/kernels:
 int16 inputs, integer sums), and QuantizedLinear as the engine calls it. Writes bench/results/kernels.json
 and .png.
 """
@@ -31,7 +31,7 @@ import common
 import torch
 import torch.nn.functional as F
 
-from kiln.models.kernels import kernels
+from kiln.kernels import kernels
 from kiln.models.quant import QuantizedLinear
 
 SHAPES = {"lm_head": (262144, 640), "gate_up_proj": (4096, 640), "down_proj": (640, 2048)}

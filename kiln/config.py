@@ -9,7 +9,7 @@ import torch
 from kiln.errors import InvalidArgumentError
 from kiln.kv.codec import CODECS
 from kiln.kv.policy import POLICIES
-from kiln.models.kernels import supported as kernels_supported
+from kiln.kernels import supported as kernels_supported
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # How the projections and the LM head are stored (kiln/models/quant.py); "auto" picks per machine.

@@ -13,7 +13,7 @@ from kiln.kv.step import KVSlice, KVStep, Workspace
 from kiln.kv.storage import PageStorage
 from kiln.kv.tiers import PageTiers
 from kiln.models.attention import AttentionBatch
-from kiln.models.kernels import kernels
+from kiln.kernels import kernels
 
 
 @dataclass

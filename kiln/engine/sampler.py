@@ -12,8 +12,8 @@ import torch
 
 from kiln.engine.constraints import MAX_LOGIT_BIAS, Constraint
 from kiln.errors import InvalidArgumentError
-from kiln.models.kernels import kernels
-from kiln.models.kernels import supported as kernels_supported
+from kiln.kernels import kernels
+from kiln.kernels import supported as kernels_supported
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # colder sampling is argmax in effect (and may round to 0 in float32)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts

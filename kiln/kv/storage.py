@@ -12,8 +12,8 @@ import torch
 
 from kiln.kv.codec import KVCodec, Segment
 from kiln.kv.layout import KVLayout
-from kiln.models.kernels import kernels
-from kiln.models.kernels import supported as kernels_supported
+from kiln.kernels import kernels
+from kiln.kernels import supported as kernels_supported
 
 # What the C++ kernels read and write (kv_store.cpp, attention.cpp): raw pages of these dtypes, and every
 # codec's codes, which decode to float32.

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kiln.models.kernels import kernels
+from kiln.kernels import kernels
 from kiln.models.streamed_attention import streamed_attention
 
 if TYPE_CHECKING:  # kiln.kv imports the model config, hence this package

@@ -13,7 +13,7 @@ from torch import nn
 
 from kiln.errors import InvalidArgumentError
 from kiln.models.config import ModelConfig
-from kiln.models.kernels import kernels
+from kiln.kernels import kernels
 from kiln.models.layers import Attention, GatedMLP, HFSource, RMSNorm
 from kiln.models.quant import QuantizedLinear
 

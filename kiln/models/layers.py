@@ -21,7 +21,7 @@ from torch import nn
 from kiln.errors import InvalidArgumentError
 from kiln.models.attention import AttentionBatch, paged_attention
 from kiln.models.config import ModelConfig, RopeScaling
-from kiln.models.kernels import kernels
+from kiln.kernels import kernels
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kiln.errors import InvalidArgumentError
-from kiln.models.kernels import kernels
+from kiln.kernels import kernels
 
 if TYPE_CHECKING:
     from kiln.models.causal_lm import CausalLM

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kiln.kv.step import NO_POSITION
-from kiln.models.kernels import kernels, supported
+from kiln.kernels import kernels, supported
 
 pytestmark = pytest.mark.skipif(not supported(), reason="Kiln's CPU kernels need AVX2 and a C++ compiler")
 

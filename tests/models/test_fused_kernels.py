@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.engine.sampler import argmax
-from kiln.models.kernels import kernels, supported
+from kiln.kernels import kernels, supported
 from kiln.models.layers import RMSNorm, add_normed
 
 pytestmark = pytest.mark.skipif(not supported(), reason="Kiln's CPU kernels need AVX2 and a C++ compiler")

@@ -30,7 +30,7 @@ from kiln.models import build_model
 from kiln.models.causal_lm import CausalLM
 from kiln.models.config import ModelConfig, RopeScaling
 from kiln.models.hf_config import config_from_hf, hf_config_dict
-from kiln.models.kernels import supported as kernels_supported
+from kiln.kernels import supported as kernels_supported
 from kiln.models.layers import RotaryEmbedding
 from tests.tiny_models import TINY_CONFIGS, hf_state_dict, random_hf_model, tiny_hf_model
 
