@@ -327,9 +327,9 @@ def constrain(logits: torch.Tensor, matchers: Sequence[Matcher | None],
 
 
 def _blocked(logits: torch.Tensor, blocked: np.ndarray) -> torch.Tensor:
-    """New logits with the blocked tokens at -inf. On the CPU one NumPy pass: torch's elementwise ops
-    split a 1 MB row across threads, and on a busy machine waiting for a preempted thread cost ~10 ms
-    a step, where NumPy takes ~1 ms whatever the load."""
+    """New logits with the blocked tokens at -inf. On the CPU one NumPy pass in this thread: torch's
+    elementwise ops split a 1 MB row across threads, and on a busy machine the step then waits for
+    whichever of them was preempted."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.from_numpy(np.where(blocked, np.float32(-np.inf), logits.numpy()))
     return logits.masked_fill(torch.from_numpy(blocked).to(logits.device), float("-inf"))

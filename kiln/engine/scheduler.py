@@ -7,7 +7,7 @@ chunks around short requests; while a prefill runs, new arrivals may take at mos
 neither side starves (vLLM's chunked-prefill policy, with shortest-remaining-first among prefills so a
 medium prompt admitted beside a huge one is not stuck behind it).
 
-Pages come from the KV cache. When it runs dry the order is DESIGN.md's: evict cached pages (the cache
+Pages come from the KV cache. When it runs dry the order is docs/architecture.md's: evict cached pages (the cache
 does that by itself), drop the K/V of parked session sequences least recently used first, then of other
 waiting requests, then preempt the most recently admitted running request (its pages stay cached, so it
 resumes from the prefix cache); a running request with nothing later-admitted to preempt preempts
@@ -31,10 +31,7 @@ from kiln.kv.cache import KVCache
 # Drafts ride only in steps of at most this many decoding sequences. A draft's rows are close to free
 # while a step is bound by reading the weights (few rows); with more sequences the step is bound by
 # arithmetic, and every draft row costs what a sequence's row does, most of it in the LM head (every draft
-# row needs logits: about 1.6 ms a row on the embedded model past the first few). Measured with agents.py's
-# workload in process (6 turns, aggregate tokens/s, two runs each, int8 kernel of integer products):
-# 4 agents 124.0 / 120.1 drafting against 113.9 / 116.1 drafting only when at most 2 decode; 8 agents
-# 130.7 / 129.8 drafting only when at most 4 decode against 125.3 / 123.9 drafting at 8.
+# row needs logits). bench/README.md § speculation.py gives the agents' figures that chose 4.
 MAX_DRAFTING_SEQUENCES = 4
 
 

@@ -14,8 +14,8 @@ point mass: accept draft token d with probability p(d), else draw from p with d 
 leaves every output token distributed by p. The engine then rolls the rejected rows' K/V back
 (KVCache.drop, which never writes a shared or named page).
 
-Cost: a rejected draft makes a step compute k + 1 rows instead of one (measured on the embedded model:
-a 5-row step costs about twice a 1-row one, the LM head's arithmetic growing with the rows). After a
+Cost: a rejected draft makes a step compute k + 1 rows instead of one, and the LM head's arithmetic grows
+with the rows (bench/speculation.py measures what that costs a turn). After a
 draft of which nothing was accepted a sequence stops proposing for 1, 2, 4 ... up to MAX_COOLDOWN
 steps, and any acceptance resets that. The pause belongs to the sequence and outlives a request, so a
 session whose drafts never land, turn after turn, carries one in MAX_COOLDOWN steps at most.

@@ -51,10 +51,9 @@ class CausalLM(nn.Module):
         """[M, hidden] -> [M, vocab] float32.
 
         The vocabulary matrix is the largest read of a decode step, and CPU BLAS streams it fastest in
-        different orientations by row count (measured on the 2-core AMD machines here, 262k x 640 fp32):
-        one row, h @ W^T with W^T stored contiguously (31 ms vs 52 ms through F.linear); several rows,
-        W @ h^T (batch 4: 37 ms vs 144 ms). The contiguous W^T is a second copy of the matrix, kept on
-        CPU only, where batch-1 decode is the common case (an agent's session). A quantised head
+        different orientations by row count: one row, h @ W^T with W^T stored contiguously; several rows,
+        W @ h^T (bench/README.md § Design figures). The contiguous W^T is a second copy of the matrix, kept
+        on CPU only, where batch-1 decode is the common case (an agent's session). A quantised head
         (kiln.models.quant) has its own kernel and needs no copy."""
         if isinstance(self.lm_head, QuantizedLinear):
             return self.lm_head(hidden)

@@ -1,19 +1,17 @@
 """int8 linear layers for CPU inference, computed by Kiln's own kernel (kernels/linear.cpp).
 
 Why: decoding one token reads every weight once, and on the CPU that read is the bound, not the
-arithmetic. The embedded Gemma 3 270M in fp32 reads 1.07 GB per token (671 MB of it the 262144 x 640 LM
-head) against ~23 GB/s of read bandwidth here (bench/throughput.py measures it). Weights are stored as
-int8 (one scale per output row). The kernel quantises each input row to int16 with a scale of its own
-(at least 8,256 levels for these layers' widths, so the rounding is far below the weights') and sums
-products exactly in int32: a row's result never depends on the other rows of its batch (INV-3), at any
-row count. One integer multiply-add instruction takes 16 products (a float32 FMA 8): 1.5-1.9x the
-float32-FMA kernel it replaced from 4 rows up, which is what batched decode, speculative verification
-and prefill need. It also beats widening the weights and running BLAS at every prefill size measured
-(512 rows of the gate/up projection: 12.3 against 17.4 ms), so every row count takes the kernel. bench/kernels.py measures the candidates this replaced (fbgemm fp16 and dynamic
-int8, aten's weight-only int8/int4, inductor); bench/weight_formats.py measures the format on the whole
-model. Two more were tried and dropped: int4 weights in groups of 32 (+93 % perplexity on the embedded
-model, and no faster), and int8 activations per 32-value block (llama.cpp's Q8_0 dot product: an input
-rounding of one part in 127 turns float-order differences upstream into whole steps).
+arithmetic; the LM head is most of it. Weights are stored as int8 (one scale per output row). The kernel
+quantises each input row to int16 with a scale of its own (enough levels for these layers' widths that
+the rounding is far below the weights') and sums products exactly in int32: a row's result never depends
+on the other rows of its batch (INV-3), at any row count. One integer multiply-add instruction takes 16
+products where a float32 FMA takes 8, which is what batched decode, speculative verification and prefill
+need, so every row count takes the kernel. bench/kernels.py measures it against the candidates it
+replaced (fbgemm fp16 and dynamic int8, aten's weight-only int8/int4, inductor); bench/weight_formats.py
+measures the format on the whole model. Two more were tried and dropped (bench/README.md § kernels.py):
+int4 weights in groups of 32 (perplexity far worse, and no faster), and int8 activations per 32-value
+block (llama.cpp's Q8_0 dot product: an input rounding of one part in 127 turns float-order differences
+upstream into whole steps).
 
 Format "float32" keeps exact weights in the kernel's float32 path (a fixed reduction order per element):
 the deterministic mode's format when quantisation is off.
@@ -67,8 +65,8 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
         # What forward needs, bound once: the buffers' lookups through nn.Module.__getattr__ and the format's
-        # dispatch cost a decode step of the embedded model about 0.2 ms over its 73 projections. The
-        # buffers are never replaced (the kernels run on the CPU only; nothing moves them).
+        # dispatch would otherwise run on every projection of every step. The buffers are never replaced (the
+        # kernels run on the CPU only; nothing moves them).
         if fmt == "float32":
             self._apply_kernel = lambda x: kernels().linear_f32(x, weight, bias, out_features)
         else:

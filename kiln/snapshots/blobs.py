@@ -13,9 +13,8 @@ import zstandard
 
 from kiln.errors import FailedPreconditionError
 
-# zstd level 1. Float K/V compresses little whatever the level: on the embedded model's fp32 pages level 1
-# keeps 93.2 % of the bytes at ~40 MB per 2k-token session per 48 ms of one core, level 3 93.1 % for the
-# same time, byte-plane shuffling gains nothing more, and negative (fast) levels keep 100 %.
+# zstd level 1: float K/V compresses little at any level (mantissas are noise), so the cheapest level
+# that compresses at all; higher levels and byte-plane shuffling gain nothing (bench/README.md § snapshot.py).
 LEVEL = 1
 _local = threading.local()  # zstd contexts are not thread-safe; one pair per thread
 
