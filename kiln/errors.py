@@ -33,6 +33,20 @@ class FailedPreconditionError(KilnError):
     code = "FAILED_PRECONDITION"
 
 
+class LeaseHeldError(FailedPreconditionError):
+    """Another holder's lease on the name is live: it is owned elsewhere until `expires_at` (time.time()
+    seconds) unless that holder renews or releases it."""
+
+    def __init__(self, message: str, holder: str, expires_at: float) -> None:
+        super().__init__(message)
+        self.holder = holder
+        self.expires_at = expires_at
+
+
+class LeaseLostError(FailedPreconditionError):
+    """A lease this caller held lapsed or was granted to another holder: what it fenced was refused."""
+
+
 class ResourceExhaustedError(KilnError):
     """KV capacity (or another bounded resource) cannot fit the request even after eviction."""
 

@@ -5,13 +5,20 @@
     kiln:manifest:<id>        manifest JSON
     kiln:manifests            set of manifest ids
     kiln:owner:<digest>       set of one owner's manifest ids (what a caller's ListSnapshots reads)
-    kiln:writer:<token>       lease of a save in flight (expires by itself if its writer dies)
-    kiln:gc                   lease of a gc in flight
+    kiln:writer:<token>       lease of a save in flight (value: its token)
+    kiln:gc                   lease of a gc in flight (value: its token)
+    kiln:lease:<name>         a session lease: hash of holder and fencing token, expiring by PEXPIRE
+    kiln:lease-tokens         the last fencing token granted (INCR; one counter for every name)
 
-A save writes its absent blobs, then the manifest and its index entry in one MULTI: readers see the old
-manifest or the new one. Saves and gc exclude each other through the leases, each set before checking
-for the other (so at least one of two racing parties sees the other and backs off). Durability is
-Redis's own (configure appendonly for crash safety of the Redis server itself).
+A save writes its absent blobs, then the manifest and its index entries in one Lua script: readers see
+the old manifest or the new one. Saves and gc exclude each other through the writer and gc leases, each
+set before checking for the other (so at least one of two racing parties sees the other and backs off).
+Those leases are short (LEASE_MS) and renewed by a thread while the work runs, so a process that dies
+stops blocking others soon; each holds a random token, is released only by compare-and-delete, and
+fences the work it guards: a save writes its manifest only while its writer lease is still its own (a
+save that stalled past its lease may have let a gc delete blobs it counted on), and gc deletes each
+batch only while the gc lease is still its own. Both checks run inside the Lua script that writes.
+Durability is Redis's own (configure appendonly for crash safety of the Redis server itself).
 """
 
 from __future__ import annotations
@@ -19,19 +26,71 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
+import threading
 import time
 from collections.abc import Iterable, Iterator
 
 import redis
 
-from kiln.errors import FailedPreconditionError, ResourceExhaustedError, UnavailableError
+from kiln.errors import FailedPreconditionError, LeaseHeldError, ResourceExhaustedError, UnavailableError
 from kiln.snapshots.manifest import Manifest
-from kiln.snapshots.store import GcReport, SaveReport, SnapshotStore
+from kiln.snapshots.store import (
+    GcReport,
+    Lease,
+    SaveReport,
+    SnapshotStore,
+    check_lease_name,
+    check_lease_request,
+    lease_lost,
+)
 
 PREFIX = "kiln:"
-LEASE_MS = 120_000  # a save or gc that died holding a lease stops blocking others after this
+LEASE_MS = 15_000  # a save's or gc's lease; renewed every third of it while the work runs
 WAIT_S = 60.0  # longest a save waits for a gc (or a gc for saves) before giving up as UNAVAILABLE
 TIMEOUT_S = 10.0  # socket timeouts: a vanished Redis fails a call instead of hanging it
+GC_BATCH = 512  # blobs deleted per script call (each call checks the gc lease first)
+FENCED, LAPSED = -1, -2  # what the writing scripts answer instead of writing
+
+# KEYS[1] a session lease, ARGV[1] holder, ARGV[2] token: `holds` says whether that grant is live.
+_HOLDS = """local cur = redis.call('HMGET', KEYS[1], 'holder', 'token')
+local holds = cur[1] == ARGV[1] and cur[2] == ARGV[2]
+"""
+# The same check where the fence is optional: an empty holder means "not fenced".
+_FENCE = "if ARGV[1] ~= '' then\n" + _HOLDS + "if not holds then return -1 end\nend\n"
+SCRIPTS = {
+    # KEYS lease, token counter; ARGV holder, ttl ms -> {1, token} or {0, holder, pttl ms}
+    "acquire": """local cur = redis.call('HMGET', KEYS[1], 'holder', 'token')
+if cur[1] and cur[1] ~= ARGV[1] then return {0, cur[1], redis.call('PTTL', KEYS[1])} end
+local token = cur[2]
+if not cur[1] then
+  token = redis.call('INCR', KEYS[2])
+  redis.call('HSET', KEYS[1], 'holder', ARGV[1], 'token', token)
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {1, tostring(token)}""",
+    "renew": _HOLDS + "if holds then return redis.call('PEXPIRE', KEYS[1], ARGV[3]) end\nreturn 0",
+    "release": _HOLDS + "if holds then return redis.call('DEL', KEYS[1]) end\nreturn 0",
+    # KEYS a token lease (writer or gc); ARGV token, ttl ms
+    "renew_token": "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end\nreturn 0",
+    "release_token": "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end\nreturn 0",
+    # KEYS lease, writer lease, manifest, manifests, owner set; ARGV holder, token, writer token, id, json
+    "commit": _FENCE + """if redis.call('GET', KEYS[2]) ~= ARGV[3] then return -2 end
+redis.call('SET', KEYS[3], ARGV[5])
+redis.call('SADD', KEYS[4], ARGV[4])
+redis.call('SADD', KEYS[5], ARGV[4])
+return 1""",
+    # KEYS lease, manifest, manifests, [owner set]; ARGV holder, token, id -> manifests deleted (0 or 1)
+    "delete": _FENCE + """local n = redis.call('DEL', KEYS[2])
+for i = 3, #KEYS do redis.call('SREM', KEYS[i], ARGV[3]) end
+return n""",
+    # KEYS gc lease, blob set, blob keys...; ARGV gc token, digests... -> bytes freed
+    "collect": """if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -2 end
+local freed = 0
+for i = 3, #KEYS do freed = freed + redis.call('STRLEN', KEYS[i]) end
+redis.call('DEL', unpack(KEYS, 3))
+redis.call('SREM', KEYS[2], unpack(ARGV, 2))
+return freed""",
+}
 
 
 class RedisStore(SnapshotStore):
@@ -40,6 +99,7 @@ class RedisStore(SnapshotStore):
         with _redis_errors("connecting to the snapshot store"):
             self.client = redis.Redis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S)
             self.client.ping()
+        self._scripts = {name: self.client.register_script(body) for name, body in SCRIPTS.items()}
 
     def missing(self, digests: Iterable[str]) -> set[str]:
         wanted = list(digests)
@@ -64,19 +124,20 @@ class RedisStore(SnapshotStore):
             key = PREFIX + "manifests" if owner is None else PREFIX + "owner:" + owner
             return sorted(member.decode() for member in self.client.smembers(key))
 
-    def delete_manifest(self, snapshot_id: str) -> bool:
+    def delete_manifest(self, snapshot_id: str, fence: Lease | None = None) -> bool:
         data = self.manifest_bytes(snapshot_id)
         owner = None if data is None else _owner_of(data)
+        keys = [PREFIX + "manifest:" + snapshot_id, PREFIX + "manifests"]
+        keys += [] if owner is None else [PREFIX + "owner:" + owner]
         with _redis_errors("deleting a snapshot"):
-            pipe = self.client.pipeline(transaction=True)
-            pipe.delete(PREFIX + "manifest:" + snapshot_id)
-            pipe.srem(PREFIX + "manifests", snapshot_id)
-            if owner is not None:
-                pipe.srem(PREFIX + "owner:" + owner, snapshot_id)
-            return bool(pipe.execute()[0])
+            lease_key, holder, token = _fence_args(fence)
+            deleted = self._scripts["delete"](keys=[lease_key, *keys], args=[holder, token, snapshot_id])
+            if deleted == FENCED:
+                raise lease_lost(fence, self.lease_of(fence.name))
+            return bool(deleted)
 
-    def save(self, manifest: Manifest, blobs: dict[str, bytes]) -> SaveReport:
-        with _redis_errors("saving a snapshot"), self._writer_lease():
+    def save(self, manifest: Manifest, blobs: dict[str, bytes], fence: Lease | None = None) -> SaveReport:
+        with _redis_errors("saving a snapshot"), self._writer_lease() as (writer_key, writer_token):
             needed = sorted(manifest.digests())
             absent = self.missing(needed)
             unknown = absent - blobs.keys()
@@ -89,63 +150,138 @@ class RedisStore(SnapshotStore):
             replies = pipe.execute()[0::2]  # SET NX: None where a save beside this one got there first
             created = [d for d, reply in zip(sorted(absent), replies, strict=True) if reply]
             data = manifest.to_json()
-            pipe = self.client.pipeline(transaction=True)
-            pipe.set(PREFIX + "manifest:" + manifest.snapshot_id, data)
-            pipe.sadd(PREFIX + "manifests", manifest.snapshot_id)
-            pipe.sadd(PREFIX + "owner:" + manifest.owner, manifest.snapshot_id)
-            pipe.execute()
+            lease_key, holder, token = _fence_args(fence)
+            keys = [lease_key, writer_key, PREFIX + "manifest:" + manifest.snapshot_id, PREFIX + "manifests",
+                    PREFIX + "owner:" + manifest.owner]
+            verdict = self._scripts["commit"](keys=keys, args=[holder, token, writer_token, manifest.snapshot_id, data])
+            if verdict == FENCED:
+                raise lease_lost(fence, self.lease_of(fence.name))
+            if verdict == LAPSED:
+                raise UnavailableError(f"saving snapshot {manifest.snapshot_id}: the save outlived its writer lease (a gc "
+                                       f"may have run meanwhile), so its manifest was not written; save it again")
             size = sum(len(blobs[d]) for d in created)
             return SaveReport(len(created), size + len(data), len(needed) - len(created))
 
     def gc(self) -> GcReport:
-        with _redis_errors("collecting snapshot garbage"), self._gc_lease():
-            manifests = self.manifests()
+        with _redis_errors("collecting snapshot garbage"), self._gc_lease() as token:
+            manifests = self.gc_manifests()
             referenced = set().union(*(m.digests() for m in manifests)) if manifests else set()
             stored = {member.decode() for member in self.client.smembers(PREFIX + "blobs")}
             stored |= {key.decode().removeprefix(PREFIX + "blob:") for key in self.client.scan_iter(PREFIX + "blob:*")}
             garbage = sorted(stored - referenced)
             freed = 0
-            for start in range(0, len(garbage), 512):
-                batch = garbage[start : start + 512]
-                pipe = self.client.pipeline(transaction=False)
-                for digest in batch:
-                    pipe.strlen(PREFIX + "blob:" + digest)
-                freed += sum(pipe.execute())
-                pipe = self.client.pipeline(transaction=False)
-                pipe.delete(*(PREFIX + "blob:" + d for d in batch))
-                pipe.srem(PREFIX + "blobs", *batch)
-                pipe.execute()
+            for start in range(0, len(garbage), GC_BATCH):
+                batch = garbage[start : start + GC_BATCH]
+                keys = [PREFIX + "gc", PREFIX + "blobs", *(PREFIX + "blob:" + d for d in batch)]
+                result = self._scripts["collect"](keys=keys, args=[token, *batch])
+                if result == LAPSED:
+                    raise UnavailableError(f"snapshot gc stopped after deleting {start} of {len(garbage)} unreferenced "
+                                           "blobs: its lease lapsed or another gc holds it; run gc again")
+                freed += result
             return GcReport(len(manifests), len(stored) - len(garbage), len(garbage), freed)
 
     def close(self) -> None:
         self.client.close()
 
-    @contextlib.contextmanager
-    def _writer_lease(self) -> Iterator[None]:
-        key = PREFIX + "writer:" + secrets.token_hex(8)
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            self.client.set(key, 1, px=LEASE_MS)
-            if not self.client.exists(PREFIX + "gc"):
-                break
-            self.client.delete(key)
-            _wait(deadline, "a snapshot gc")
-        try:
-            yield
-        finally:
-            self.client.delete(key)
+    # ---- session leases ---------------------------------------------------------------------------
+
+    def acquire_lease(self, name: str, holder: str, ttl_s: float) -> Lease:
+        check_lease_request(name, holder, ttl_s)
+        start = time.time()
+        with _redis_errors("taking a lease"):
+            reply = self._scripts["acquire"](keys=[_lease_key(name), PREFIX + "lease-tokens"], args=[holder, _ms(ttl_s)])
+        if reply[0] == 0:
+            other, pttl = reply[1].decode(), reply[2]
+            raise LeaseHeldError(f"{name} is leased to {other} for another {pttl / 1000:.1f} s", other, start + pttl / 1000)
+        return Lease(name, holder, int(reply[1]), start + ttl_s)
+
+    def renew_lease(self, lease: Lease, ttl_s: float) -> Lease:
+        check_lease_request(lease.name, lease.holder, ttl_s)
+        start = time.time()
+        with _redis_errors("renewing a lease"):
+            renewed = self._scripts["renew"](keys=[_lease_key(lease.name)], args=[lease.holder, lease.token, _ms(ttl_s)])
+            if not renewed:
+                raise lease_lost(lease, self.lease_of(lease.name))
+        return Lease(lease.name, lease.holder, lease.token, start + ttl_s)
+
+    def release_lease(self, lease: Lease) -> bool:
+        with _redis_errors("releasing a lease"):
+            return bool(self._scripts["release"](keys=[_lease_key(lease.name)], args=[lease.holder, lease.token]))
+
+    def lease_of(self, name: str) -> Lease | None:
+        check_lease_name(name)
+        with _redis_errors("reading a lease"):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hmget(_lease_key(name), "holder", "token")
+            pipe.pttl(_lease_key(name))
+            (holder, token), pttl = pipe.execute()
+        if holder is None or pttl < 0:
+            return None
+        return Lease(name, holder.decode(), int(token), time.time() + pttl / 1000)
+
+    # ---- the writer and gc leases ----------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _gc_lease(self) -> Iterator[None]:
+    def _writer_lease(self) -> Iterator[tuple[str, str]]:
+        token = secrets.token_hex(8)
+        key = PREFIX + "writer:" + token
         deadline = time.monotonic() + WAIT_S
-        while not self.client.set(PREFIX + "gc", 1, nx=True, px=LEASE_MS):
+        while True:
+            self.client.set(key, token, px=LEASE_MS)
+            if not self.client.exists(PREFIX + "gc"):
+                break
+            self._scripts["release_token"](keys=[key], args=[token])
+            _wait(deadline, "a snapshot gc")
+        with self._holding(key, token):
+            yield key, token
+
+    @contextlib.contextmanager
+    def _gc_lease(self) -> Iterator[str]:
+        token = secrets.token_hex(8)
+        deadline = time.monotonic() + WAIT_S
+        while not self.client.set(PREFIX + "gc", token, nx=True, px=LEASE_MS):
             _wait(deadline, "another snapshot gc")
-        try:
+        with self._holding(PREFIX + "gc", token):
             while next(self.client.scan_iter(PREFIX + "writer:*"), None) is not None:
                 _wait(deadline, "snapshot saves in flight")
+            yield token
+
+    @contextlib.contextmanager
+    def _holding(self, key: str, token: str) -> Iterator[None]:
+        """Renew the token lease `key` while the block runs, then release it if it is still ours. A
+        failed release is left to the lease's expiry (the block's own error matters more)."""
+        stop = threading.Event()
+
+        def renew() -> None:
+            while not stop.wait(LEASE_MS / 3000):
+                with contextlib.suppress(redis.RedisError):  # a blip: the next tick tries again
+                    if not self._scripts["renew_token"](keys=[key], args=[token, LEASE_MS]):
+                        return  # lost: the fenced writes will refuse; nothing to renew any more
+
+        renewer = threading.Thread(target=renew, name="kiln-lease-renewer", daemon=True)
+        renewer.start()
+        try:
             yield
         finally:
-            self.client.delete(PREFIX + "gc")
+            stop.set()
+            renewer.join()
+            with contextlib.suppress(redis.RedisError):
+                self._scripts["release_token"](keys=[key], args=[token])
+
+
+def _lease_key(name: str) -> str:
+    return PREFIX + "lease:" + name
+
+
+def _fence_args(fence: Lease | None) -> tuple[str, str, str]:
+    """KEYS[1], ARGV[1], ARGV[2] of a fenced script: an empty holder turns the check off."""
+    if fence is None:
+        return PREFIX + "lease:", "", ""
+    return _lease_key(fence.name), fence.holder, str(fence.token)
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
 
 
 def _owner_of(data: bytes) -> str | None:

@@ -9,8 +9,17 @@ Contract every backend keeps:
   manifest whose blobs are missing.
 - `gc` deletes blobs no manifest references, and is safe while other processes save: a save in flight
   holds the store's writer lease, which gc waits out (and saves wait for a running gc).
+- `gc` fails closed: while any manifest cannot be read (corrupt, a newer format version) it deletes
+  nothing and raises FailedPreconditionError naming those ids; a read that fails for the medium's sake
+  (a Redis timeout) is UnavailableError, also before anything is deleted.
 - Failures of the medium (a full disk, Redis gone) raise typed errors: ResourceExhaustedError for no
   space, UnavailableError for an unreachable or failing store. Nothing half-written is ever listed.
+
+Leases (one owner per live session, docs/architecture.md § Ownership): `acquire_lease(name, holder, ttl_s)`
+grants `name` to one holder at a time until it lapses (wall-clock `expires_at`) unless renewed. Every
+grant carries a fencing token larger than any earlier grant's of that name, so a holder that stalled past
+its lease and was replaced is told apart from the new one: `save` and `delete_manifest` given
+`fence=lease` write only while that lease is still the live one, checked atomically with the write.
 """
 
 from __future__ import annotations
@@ -21,8 +30,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.errors import InvalidArgumentError, NotFoundError
-from kiln.snapshots.manifest import Manifest
+from kiln.errors import FailedPreconditionError, InvalidArgumentError, LeaseLostError, NotFoundError
+from kiln.snapshots.manifest import SNAPSHOT_ID, Manifest
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,44 @@ class GcReport:
     bytes_freed: int
 
 
+@dataclass(frozen=True)
+class Lease:
+    """A grant of `name` to `holder`. `token` is the fencing token: strictly increasing over every grant
+    of a name (re-acquiring or renewing a live lease of one's own keeps it). `expires_at` is wall-clock
+    (time.time()) seconds: the holder's view of when the lease lapses unless renewed."""
+
+    name: str  # what is leased: a session id
+    holder: str  # who holds it: a server instance's id (random per process)
+    token: int
+    expires_at: float
+
+    def same_grant(self, other: Lease | None) -> bool:
+        """Whether `other` is this grant (renewed or not): same name, holder and token."""
+        return other is not None and (other.name, other.holder, other.token) == (self.name, self.holder, self.token)
+
+
+def check_lease_name(name: str) -> None:
+    """A lease name is also a file name and a Redis key part: 1-160 characters of [A-Za-z0-9_-]."""
+    if not isinstance(name, str) or not SNAPSHOT_ID.fullmatch(name):
+        raise InvalidArgumentError(f"lease name must be 1-160 characters of [A-Za-z0-9_-], got {str(name)[:64]!r}")
+
+
+def check_lease_request(name: str, holder: str, ttl_s: float) -> None:
+    """Refuse what no backend can store: a bad name, an empty holder or one with whitespace, a TTL that
+    is not a positive number of seconds."""
+    check_lease_name(name)
+    if not isinstance(holder, str) or not holder or any(c.isspace() for c in holder):
+        raise InvalidArgumentError(f"lease holder must be a non-empty string without spaces, got {holder!r}")
+    if not isinstance(ttl_s, int | float) or not 0 < ttl_s < 10**7:
+        raise InvalidArgumentError(f"lease ttl_s must be a positive number of seconds, got {ttl_s!r}")
+
+
+def lease_lost(fence: Lease, current: Lease | None) -> LeaseLostError:
+    """The error for a write fenced by `fence` when `current` is the live lease of its name."""
+    now = "no live lease" if current is None else f"a lease of {current.holder} (token {current.token})"
+    return LeaseLostError(f"lease on {fence.name} (token {fence.token}) is no longer {fence.holder}'s: {now}")
+
+
 class SnapshotStore(ABC):
     """Manifests by id, blobs by digest. Thread-safe; may be shared by several processes."""
 
@@ -50,10 +97,12 @@ class SnapshotStore(ABC):
         """The digests among `digests` that have no stored blob."""
 
     @abstractmethod
-    def save(self, manifest: Manifest, blobs: dict[str, bytes]) -> SaveReport:
+    def save(self, manifest: Manifest, blobs: dict[str, bytes], fence: Lease | None = None) -> SaveReport:
         """Store the compressed `blobs` (digest -> bytes) that are absent, then the manifest, atomically
         replacing any manifest of the same id. Every digest the manifest references must be stored
-        afterwards (in `blobs` or already present): FailedPreconditionError otherwise, manifest unwritten."""
+        afterwards (in `blobs` or already present): FailedPreconditionError otherwise, manifest unwritten.
+        With `fence`, the manifest is written only if `fence` is still the live lease of its name
+        (LeaseLostError otherwise, manifest unwritten)."""
 
     @abstractmethod
     def get_blob(self, digest: str) -> bytes | None:
@@ -69,12 +118,33 @@ class SnapshotStore(ABC):
         backend with an owner index lists only those)."""
 
     @abstractmethod
-    def delete_manifest(self, snapshot_id: str) -> bool:
-        """Remove a manifest (its blobs stay until gc); False if there was none."""
+    def delete_manifest(self, snapshot_id: str, fence: Lease | None = None) -> bool:
+        """Remove a manifest (its blobs stay until gc); False if there was none. With `fence`, only while
+        `fence` is still the live lease of its name (LeaseLostError otherwise, nothing deleted)."""
 
     @abstractmethod
     def gc(self) -> GcReport:
-        """Delete every blob no manifest references (and leftovers of interrupted saves)."""
+        """Delete every blob no manifest references (and leftovers of interrupted saves). Fails closed:
+        FailedPreconditionError, nothing deleted, while any manifest is unreadable."""
+
+    @abstractmethod
+    def acquire_lease(self, name: str, holder: str, ttl_s: float) -> Lease:
+        """Grant `name` to `holder` for `ttl_s` seconds with a new fencing token, or renew `holder`'s own
+        live lease (same token). LeaseHeldError (with the holder and expiry) while another's is live."""
+
+    @abstractmethod
+    def renew_lease(self, lease: Lease, ttl_s: float) -> Lease:
+        """Extend a live lease to `ttl_s` seconds from now. LeaseLostError if it lapsed or is no longer
+        this holder's with this token."""
+
+    @abstractmethod
+    def release_lease(self, lease: Lease) -> bool:
+        """Give the lease up (compare-and-delete): True if it was still live and ours, else False and
+        whatever lease is there now stays."""
+
+    @abstractmethod
+    def lease_of(self, name: str) -> Lease | None:
+        """The live lease of `name`, or None."""
 
     @abstractmethod
     def close(self) -> None:
@@ -93,17 +163,35 @@ class SnapshotStore(ABC):
         return manifest
 
     def manifests(self, owner: str | None = None) -> list[Manifest]:
-        """Every readable manifest, or only `owner`'s (an owner digest); an unreadable one is skipped
-        (`kiln snapshot inspect` explains it)."""
-        found = []
+        """Every readable manifest, or only `owner`'s (an owner digest); one whose content cannot be read
+        is skipped (`kiln snapshot inspect` explains it). A failing medium raises UnavailableError."""
+        found, _ = self._read_manifests(owner)
+        return found
+
+    def gc_manifests(self) -> list[Manifest]:
+        """Every manifest, for gc: FailedPreconditionError naming the ids of any that cannot be read, since
+        gc cannot know which blobs those reference (a failing medium raises UnavailableError)."""
+        found, unreadable = self._read_manifests(None)
+        if unreadable:
+            shown = "; ".join(f"{sid}: {why}" for sid, why in sorted(unreadable.items())[:8])
+            raise FailedPreconditionError(
+                f"snapshot gc deleted nothing: {len(unreadable)} manifest(s) cannot be read, so their blobs "
+                f"may be live (fix or delete them, then gc again): {shown}")
+        return found
+
+    def _read_manifests(self, owner: str | None) -> tuple[list[Manifest], dict[str, str]]:
+        """(readable manifests of `owner` or all, {id: why} of unreadable ones). A manifest deleted between
+        listing and reading is neither."""
+        found, unreadable = [], {}
         for snapshot_id in self.manifest_ids(owner):
             try:
                 manifest = self.get_manifest(snapshot_id)
-            except Exception:  # noqa: BLE001 - one bad manifest must not hide the others
+            except FailedPreconditionError as error:
+                unreadable[snapshot_id] = str(error)
                 continue
             if manifest is not None and (owner is None or manifest.owner == owner):
                 found.append(manifest)
-        return found
+        return found, unreadable
 
 
 def default_directory() -> Path:
