@@ -29,7 +29,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     actions.add_parser("list", help="every snapshot in the store")
     inspect = actions.add_parser("inspect", help="one snapshot's manifest, and whether its blobs are all there")
     inspect.add_argument("snapshot_id")
-    actions.add_parser("gc", help="delete blobs no manifest references (safe while servers write)")
+    actions.add_parser("gc", help="delete blobs no manifest references (safe while servers write; deletes nothing, "
+                                  "naming them, while any manifest is unreadable)")
     export = actions.add_parser("export", help="write one snapshot and its blobs to a portable file")
     export.add_argument("snapshot_id")
     export.add_argument("file")
