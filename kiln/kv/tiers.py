@@ -8,14 +8,21 @@ page moves down to disk; when disk is full too, the least recently used page nob
 dropped (it was only a cache). If every page is referenced and both tiers are full, `hold` refuses and
 the caller keeps the page resident: a tier never silently loses K/V someone reads.
 
-Disk is one memory-mapped file of equal slots (a codec's pages all have `page_nbytes`) in the directory
-given, created at start and unlinked at once, so nothing is left behind whatever way the process ends.
+Disk is one file of equal slots (a codec's pages all have `page_nbytes`) in the directory given, created
+at start and unlinked at once, so nothing is left behind whatever way the process ends. It is read and
+written with pread/pwrite, never memory-mapped: the file is sparse (a budget reserves nothing), and a
+store through a mapping into a hole of a full filesystem is SIGBUS, which kills the process, where a
+write is ENOSPC. A page whose write fails stays where it was (in host memory), the failure is counted
+(`TierUsage.failed_disk_writes`) and logged, and `hold` goes on as if the disk were full.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import tempfile
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -23,8 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kiln.errors import InvalidArgumentError
+from kiln.errors import InvalidArgumentError, KilnError, ResourceExhaustedError, UnavailableError
 from kiln.kv.codec import KVCodec
+
+logger = logging.getLogger(__name__)
 
 TIERS = ("host", "disk")
 
@@ -41,6 +50,45 @@ class TierUsage:
     pages: dict[str, int]
     bytes: dict[str, int]
     budget_bytes: dict[str, int]
+    failed_disk_writes: int = 0  # pages that stayed in host memory because the disk write failed
+
+
+class DiskSlots:
+    """Equal slots of `slot_bytes` in an unlinked file in `directory`, by ordinary file I/O. A write that
+    fails raises ResourceExhaustedError (no space, over quota) or UnavailableError (any other I/O error)
+    and leaves every other slot as it was. The file descriptor closes with this object."""
+
+    def __init__(self, directory: str, slot_bytes: int) -> None:
+        try:
+            fd, path = tempfile.mkstemp(prefix="kiln-kv-", suffix=".pages", dir=directory)
+        except OSError as error:
+            raise InvalidArgumentError(f"kv_disk_dir {directory!r} is not writable: {error}", "kv_disk_dir") from error
+        os.unlink(path)
+        self.directory, self.slot_bytes, self._fd = directory, slot_bytes, fd
+        self._closer = weakref.finalize(self, os.close, fd)
+
+    def write(self, slot: int, data: np.ndarray) -> None:
+        """Store `data` (uint8 [slot_bytes]) in `slot`."""
+        view, offset, done = memoryview(np.ascontiguousarray(data)), slot * self.slot_bytes, 0
+        try:
+            while done < self.slot_bytes:
+                done += os.pwrite(self._fd, view[done:], offset + done)
+        except OSError as error:
+            if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ResourceExhaustedError(f"the KV disk tier in {self.directory} is full ({error.strerror})") from None
+            raise UnavailableError(f"writing the KV disk tier in {self.directory}: {error}") from None
+
+    def read_into(self, slot: int, out: np.ndarray) -> None:
+        """Read `slot` into `out` (uint8 [slot_bytes], contiguous)."""
+        try:
+            got = os.preadv(self._fd, [out], slot * self.slot_bytes)
+        except OSError as error:
+            raise UnavailableError(f"reading the KV disk tier in {self.directory}: {error}") from None
+        if got != self.slot_bytes:
+            raise UnavailableError(f"reading the KV disk tier in {self.directory}: slot {slot} is short ({got} bytes)")
+
+    def close(self) -> None:
+        self._closer()
 
 
 class PageTiers:
@@ -54,8 +102,10 @@ class PageTiers:
         self._capacity = {"host": host_budget_bytes // codec.page_nbytes, "disk": 0}
         self._entries: dict[Hashable, _Entry] = {}
         self._lru: dict[str, OrderedDict[Hashable, None]] = {tier: OrderedDict() for tier in TIERS}
-        self._disk: np.memmap | None = None
+        self._disk: DiskSlots | None = None
         self._free_slots: list[int] = []
+        self._failed_disk_writes = 0
+        self._disk_failing = False  # the last disk write failed (the next success logs recovery)
         if disk_dir is not None:
             self._open_disk(disk_dir, disk_budget_bytes // codec.page_nbytes)
 
@@ -64,16 +114,7 @@ class PageTiers:
             raise InvalidArgumentError(f"kv_disk_dir {directory!r} is not an existing directory", "kv_disk_dir")
         if not os.access(directory, os.W_OK | os.X_OK):
             raise InvalidArgumentError(f"kv_disk_dir {directory!r} is not writable", "kv_disk_dir")
-        try:
-            fd, path = tempfile.mkstemp(prefix="kiln-kv-", suffix=".pages", dir=directory)
-        except OSError as error:
-            raise InvalidArgumentError(f"kv_disk_dir {directory!r} is not writable: {error}", "kv_disk_dir") from error
-        try:
-            os.ftruncate(fd, slots * self.codec.page_nbytes)
-            self._disk = np.memmap(path, dtype=np.uint8, mode="r+", shape=(slots, self.codec.page_nbytes))
-        finally:
-            os.close(fd)
-            os.unlink(path)
+        self._disk = DiskSlots(directory, self.codec.page_nbytes)
         self._capacity["disk"] = slots
         self._free_slots = list(range(slots - 1, -1, -1))
 
@@ -82,7 +123,8 @@ class PageTiers:
     def usage(self) -> TierUsage:
         size = self.codec.page_nbytes
         pages = {tier: len(self._lru[tier]) for tier in TIERS}
-        return TierUsage(pages, {t: n * size for t, n in pages.items()}, {t: n * size for t, n in self._capacity.items()})
+        return TierUsage(pages, {t: n * size for t, n in pages.items()}, {t: n * size for t, n in self._capacity.items()},
+                         self._failed_disk_writes)
 
     def has(self, key: Hashable) -> bool:
         return key in self._entries
@@ -128,20 +170,25 @@ class PageTiers:
         """Decode K and V of one slot of each page into out[0][i], out[1][i] (each [page_size, kv_heads,
         head_dim]), all pages in one pass; marks the pages recently used."""
         entries = [self._entries[key] for key in keys]
-        stacked = torch.stack([self._bytes(entry) for entry in entries])
+        stacked = torch.empty((len(entries), self.codec.page_nbytes), dtype=torch.uint8)
+        for row, entry in zip(stacked, entries, strict=True):
+            self._read_into(entry, row)
         for kind in range(2):
             self.codec.load(self.codec.segment(stacked, kind, slot), None, out[kind])
         for key, entry in zip(keys, entries, strict=True):
             self._lru[entry.tier].move_to_end(key)
 
     def page(self, key: Hashable) -> torch.Tensor:
-        """The page's bytes (uint8 [page_nbytes]; a disk page is read, not mapped)."""
-        return self._bytes(self._entries[key]).clone()
+        """A copy of the page's bytes (uint8 [page_nbytes])."""
+        out = torch.empty(self.codec.page_nbytes, dtype=torch.uint8)
+        self._read_into(self._entries[key], out)
+        return out
 
-    def _bytes(self, entry: _Entry) -> torch.Tensor:
+    def _read_into(self, entry: _Entry, out: torch.Tensor) -> None:
         if entry.tier == "host":
-            return entry.where  # type: ignore[return-value]
-        return torch.from_numpy(self._disk[entry.where])  # type: ignore[index]
+            out.copy_(entry.where)
+        else:
+            self._disk.read_into(entry.where, out.numpy())  # type: ignore[union-attr, arg-type]
 
     # ---- moves ----------------------------------------------------------------------------------------
 
@@ -150,15 +197,35 @@ class PageTiers:
         unreferenced disk page if disk is full), else drop the coldest unreferenced host page."""
         if len(self._lru["host"]) < self._capacity["host"]:
             return True
-        if self._capacity["disk"] and (self._free_slots or self._drop_unreferenced("disk")):
-            key, _ = self._lru["host"].popitem(last=False)
-            entry = self._entries[key]
-            slot = self._free_slots.pop()
-            self._disk[slot] = entry.where.numpy()  # type: ignore[index, union-attr]
-            entry.tier, entry.where = "disk", slot
-            self._lru["disk"][key] = None
+        if self._capacity["disk"] and (self._free_slots or self._drop_unreferenced("disk")) and self._move_down():
             return True
         return self._drop_unreferenced("host")
+
+    def _move_down(self) -> bool:
+        """Write the coldest host page to a free disk slot and move it there; False (the page stays in
+        host memory, the slot stays free) if the write fails."""
+        key = next(iter(self._lru["host"]))
+        entry = self._entries[key]
+        slot = self._free_slots.pop()
+        try:
+            self._disk.write(slot, entry.where.numpy())  # type: ignore[union-attr]
+        except (ResourceExhaustedError, UnavailableError) as error:
+            self._free_slots.append(slot)
+            self._disk_write_failed(error)
+            return False
+        if self._disk_failing:
+            self._disk_failing = False
+            logger.warning("the KV disk tier takes pages again")
+        del self._lru["host"][key]
+        entry.tier, entry.where = "disk", slot
+        self._lru["disk"][key] = None
+        return True
+
+    def _disk_write_failed(self, error: KilnError) -> None:
+        self._failed_disk_writes += 1
+        if not self._disk_failing:  # once per episode, not once per page
+            self._disk_failing = True
+            logger.warning("%s: pages stay in host memory (or resident) until it takes writes again", error)
 
     def _drop_unreferenced(self, tier: str) -> bool:
         victim = next((key for key in self._lru[tier] if self._entries[key].refs == 0), None)
