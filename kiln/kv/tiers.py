@@ -123,8 +123,8 @@ class PageTiers:
     def usage(self) -> TierUsage:
         size = self.codec.page_nbytes
         pages = {tier: len(self._lru[tier]) for tier in TIERS}
-        return TierUsage(pages, {t: n * size for t, n in pages.items()}, {t: n * size for t, n in self._capacity.items()},
-                         self._failed_disk_writes)
+        budgets = {t: n * size for t, n in self._capacity.items()}
+        return TierUsage(pages, {t: n * size for t, n in pages.items()}, budgets, self._failed_disk_writes)
 
     def has(self, key: Hashable) -> bool:
         return key in self._entries

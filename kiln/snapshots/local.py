@@ -258,7 +258,7 @@ class DirectoryStore(SnapshotStore):
         """Write via tmp/ and rename (replacing what is there); fsync first if `sync`. No partial file is
         ever at `path`. `beside` writes PATH.tmp instead, for lease files: they change under the
         exclusive lease lock, which gc (emptying tmp/) does not take, and that lock makes one name enough."""
-        tmp = path.with_name(path.name + ".tmp") if beside else self.root / "tmp" / f"{path.name}.{secrets.token_hex(6)}"
+        tmp = path.with_name(f"{path.name}.tmp") if beside else self.root / "tmp" / f"{path.name}.{secrets.token_hex(6)}"
         try:
             with open(tmp, "wb") as file:
                 file.write(data)

@@ -49,12 +49,14 @@ LEASE_MS = 15_000  # a save's or gc's lease; renewed every third of it while the
 WAIT_S = 60.0  # longest a save waits for a gc (or a gc for saves) before giving up as UNAVAILABLE
 TIMEOUT_S = 10.0  # socket timeouts: a vanished Redis fails a call instead of hanging it
 GC_BATCH = 512  # blobs deleted per script call (each call checks the gc lease first)
+TOKENS = PREFIX + "lease-tokens"
 FENCED, LAPSED = -1, -2  # what the writing scripts answer instead of writing
 
 # KEYS[1] a session lease, ARGV[1] holder, ARGV[2] token: `holds` says whether that grant is live.
 _HOLDS = """local cur = redis.call('HMGET', KEYS[1], 'holder', 'token')
 local holds = cur[1] == ARGV[1] and cur[2] == ARGV[2]
 """
+_OWNS_TOKEN = "if redis.call('GET', KEYS[1]) == ARGV[1] then "  # KEYS[1] a token lease, ARGV[1] its token
 # The same check where the fence is optional: an empty holder means "not fenced".
 _FENCE = "if ARGV[1] ~= '' then\n" + _HOLDS + "if not holds then return -1 end\nend\n"
 SCRIPTS = {
@@ -71,8 +73,8 @@ return {1, tostring(token)}""",
     "renew": _HOLDS + "if holds then return redis.call('PEXPIRE', KEYS[1], ARGV[3]) end\nreturn 0",
     "release": _HOLDS + "if holds then return redis.call('DEL', KEYS[1]) end\nreturn 0",
     # KEYS a token lease (writer or gc); ARGV token, ttl ms
-    "renew_token": "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end\nreturn 0",
-    "release_token": "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end\nreturn 0",
+    "renew_token": _OWNS_TOKEN + "return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end\nreturn 0",
+    "release_token": _OWNS_TOKEN + "return redis.call('DEL', KEYS[1]) end\nreturn 0",
     # KEYS lease, writer lease, manifest, manifests, owner set; ARGV holder, token, writer token, id, json
     "commit": _FENCE + """if redis.call('GET', KEYS[2]) ~= ARGV[3] then return -2 end
 redis.call('SET', KEYS[3], ARGV[5])
@@ -189,17 +191,18 @@ class RedisStore(SnapshotStore):
         check_lease_request(name, holder, ttl_s)
         start = time.time()
         with _redis_errors("taking a lease"):
-            reply = self._scripts["acquire"](keys=[_lease_key(name), PREFIX + "lease-tokens"], args=[holder, _ms(ttl_s)])
+            reply = self._scripts["acquire"](keys=[_lease_key(name), TOKENS], args=[holder, _ms(ttl_s)])
         if reply[0] == 0:
-            other, pttl = reply[1].decode(), reply[2]
-            raise LeaseHeldError(f"{name} is leased to {other} for another {pttl / 1000:.1f} s", other, start + pttl / 1000)
+            other, left_s = reply[1].decode(), reply[2] / 1000
+            raise LeaseHeldError(f"{name} is leased to {other} for another {left_s:.1f} s", other, start + left_s)
         return Lease(name, holder, int(reply[1]), start + ttl_s)
 
     def renew_lease(self, lease: Lease, ttl_s: float) -> Lease:
         check_lease_request(lease.name, lease.holder, ttl_s)
         start = time.time()
         with _redis_errors("renewing a lease"):
-            renewed = self._scripts["renew"](keys=[_lease_key(lease.name)], args=[lease.holder, lease.token, _ms(ttl_s)])
+            args = [lease.holder, lease.token, _ms(ttl_s)]
+            renewed = self._scripts["renew"](keys=[_lease_key(lease.name)], args=args)
             if not renewed:
                 raise lease_lost(lease, self.lease_of(lease.name))
         return Lease(lease.name, lease.holder, lease.token, start + ttl_s)

@@ -20,7 +20,8 @@ def full_filesystem(tmp_path) -> Iterator[Path]:
     """A 2 MiB tmpfs mounted for this test, filled to the last block by `filler`; unmounted after."""
     mount = tmp_path / "full"
     mount.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, text=True)
+    command = ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)]
+    mounted = subprocess.run(command, capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs to fill (needs root / CAP_SYS_ADMIN): {mounted.stderr.strip()}")
     try:

@@ -46,7 +46,8 @@ def newer_format(store: SnapshotStore, snapshot_id: str) -> bytes:
 @pytest.mark.parametrize("damage", ["corrupt", "newer-format"])
 def test_gc_deletes_nothing_while_a_manifest_is_unreadable(store_target, damage):
     store = seeded(store_target)
-    bad = b'{"format_version": 1, "snapshot_id": "snap-oth' if damage == "corrupt" else newer_format(store, "snap-other")
+    torn = b'{"format_version": 1, "snapshot_id": "snap-oth'
+    bad = torn if damage == "corrupt" else newer_format(store, "snap-other")
     overwrite_manifest(store, "snap-other", bad)
     with pytest.raises(FailedPreconditionError, match="snap-other") as refused:
         store.gc()
