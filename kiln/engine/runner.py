@@ -8,12 +8,12 @@ from itertools import accumulate
 import torch
 
 from kiln.engine.sequence import Sequence
+from kiln.kernels import kernels
 from kiln.kv.layout import KVLayout
 from kiln.kv.step import KVSlice, KVStep, Workspace
 from kiln.kv.storage import PageStorage
 from kiln.kv.tiers import PageTiers
 from kiln.models.attention import AttentionBatch
-from kiln.kernels import kernels
 
 
 @dataclass

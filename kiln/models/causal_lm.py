@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from kiln.errors import InvalidArgumentError
-from kiln.models.config import ModelConfig
 from kiln.kernels import kernels
+from kiln.models.config import ModelConfig
 from kiln.models.layers import Attention, GatedMLP, HFSource, RMSNorm
 from kiln.models.quant import QuantizedLinear
 

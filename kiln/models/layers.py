@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.errors import InvalidArgumentError
+from kiln.kernels import kernels
 from kiln.models.attention import AttentionBatch, paged_attention
 from kiln.models.config import ModelConfig, RopeScaling
-from kiln.kernels import kernels
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

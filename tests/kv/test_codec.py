@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from kiln.errors import InvalidArgumentError
-from kiln.kv.codec import KVCodec
-from kiln.kv.layout import KVLayout
 from kiln.kernels import kernels
 from kiln.kernels import supported as kernels_supported
+from kiln.kv.codec import KVCodec
+from kiln.kv.layout import KVLayout
 
 LAYOUT = KVLayout(groups=(), slots=3, page_size=16, num_kv_heads=2, head_dim=64)
 

@@ -21,6 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from kiln.engine.runner import Chunk, ModelRunner
 from kiln.engine.sequence import Sequence
 from kiln.errors import InvalidArgumentError
+from kiln.kernels import supported as kernels_supported
 from kiln.kv.cache import KVCache
 from kiln.kv.codec import KVCodec
 from kiln.kv.format import KVFormat, dtype_name
@@ -30,7 +31,6 @@ from kiln.models import build_model
 from kiln.models.causal_lm import CausalLM
 from kiln.models.config import ModelConfig, RopeScaling
 from kiln.models.hf_config import config_from_hf, hf_config_dict
-from kiln.kernels import supported as kernels_supported
 from kiln.models.layers import RotaryEmbedding
 from tests.tiny_models import TINY_CONFIGS, hf_state_dict, random_hf_model, tiny_hf_model
 
