@@ -39,7 +39,7 @@ PROBES = {
     "forward": ("engine._runner.run", "engine.runner.run"),
     "attention": ("module:kiln.models.layers.paged_attention",),
     "lm_head": ("engine.model.logits",),
-    "sample": ("engine._sample",),
+    "sample": ("engine._step_sampler.sample", "engine._sample"),
     "check": ("engine.check_sequence",),
 }
 

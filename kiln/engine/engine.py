@@ -1,12 +1,20 @@
-"""Engine: the step loop (schedule -> forward -> sample -> commit) on a background thread, and the narrow
-API everything outside kiln/engine and kiln/kv uses: submit, cancel, stats, and the page-facing
-operations on session sequences (new, fork, append, check, release, resident K/V).
+"""Engine: the step loop (schedule -> forward -> commit -> sample -> accept -> emit) on a background
+thread, and the narrow API everything outside kiln/engine and kiln/kv uses: submit, cancel, stats, and
+the page-facing operations on session sequences (new, fork, append, check, release, resident K/V).
+Sampling a step's logits is kiln/engine/step_sampler.py; what the tokens become for the callers (stop
+conditions, events, finish events) is kiln/engine/output.py.
 
 Lock discipline: one lock guards the scheduler, the KV cache and the sequences' page state, and is held
 only for that bookkeeping. The forward, sampling, stop-string decoding and every emit callback run
 without it, so a session call never waits longer than a step's bookkeeping, and callbacks may call back
 into the engine. A step in flight owns the page tables it read: shutdown waits for it before releasing
 anything, and an engine still alive at interpreter exit is shut down then.
+
+Every accepted request ends with exactly one finish event. A step that fails fails the requests in
+flight and the loop goes on; should failing them fail too, the loop dies: every open request ends with
+an UnavailableError at once, every later call that needs the loop is refused with one, `alive` turns
+False and the failure observers run (`kiln serve` exits non-zero on it, for a supervisor to restart it;
+sessions then come back from their snapshots). See docs/architecture.md, "The engine".
 """
 
 from __future__ import annotations
@@ -15,26 +23,25 @@ import atexit
 import logging
 import numbers
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 
 from kiln.config import EngineConfig
-from kiln.engine.constraints import Matcher, compiler_for, constrain
-from kiln.engine.runner import Chunk, ModelRunner
-from kiln.engine.sampler import Sampler, SamplingParams, top_logprobs
+from kiln.engine.constraints import compiler_for
+from kiln.engine.output import Finished, Outputs, Sampled
+from kiln.engine.runner import Chunk, ModelRunner, StepInputs
+from kiln.engine.sampler import Sampler, SamplingParams
 from kiln.engine.scheduler import ScheduledChunk, Scheduler
-from kiln.engine.sequence import Event, FinishEvent, Request, Sequence, TokenEvent
-from kiln.engine.speculative import NgramProposer, verify
+from kiln.engine.sequence import Event, FinishEvent, Request, Sequence
+from kiln.engine.speculative import NgramProposer
 from kiln.engine.stats import EngineStats
+from kiln.engine.step_sampler import StepSampler
 from kiln.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
-    InvariantViolation,
     ResourceExhaustedError,
     UnavailableError,
 )
@@ -51,10 +58,7 @@ from kiln.models.loader import LoadedModel
 from kiln.models.quant import quantized_file
 
 logger = logging.getLogger(__name__)
-
-STOP_TAIL_MARGIN = 8  # characters decoded beyond what a stop-string check strictly needs
-Finished = tuple[Request, FinishEvent]
-Sampled = tuple[int, float | None, tuple[tuple[int, float], ...] | None]  # token, its logprob, top alternatives
+FailureObserver = Callable[[BaseException], None]
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,22 @@ class SequenceKV:
     global_bytes: int  # of resident_bytes, the global-attention layers' pages: what the policy bounds
 
 
+def build_engine_model(config: EngineConfig, loaded: LoadedModel) -> tuple[torch.nn.Module, str]:
+    """The model with its weights as the config stores and computes them, and the tag naming that
+    choice: K/V bits depend on how the weights are stored and on the kernels (batch-invariant or BLAS),
+    so the tag is part of the KV format snapshots are checked against."""
+    model = build_model(loaded.config, dtype=config.torch_dtype, device=config.device)
+    model.load_weights(loaded.tensors)
+    quantized = config.quantization
+    cache_file = quantized_file(loaded.cache_entry, quantized) if loaded.cache_entry and quantized else None
+    quantize_model(model, quantized, batch_invariant=config.deterministic, cache_file=cache_file)
+    weights = f"{dtype_name(config.torch_dtype)}/{quantized or 'exact'}" + ("/deterministic" if config.deterministic else "")
+    if config.fused_kernels:
+        model.use_kernels()
+        weights += "/fused"
+    return model, weights
+
+
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
         if config.num_threads:
@@ -76,24 +96,13 @@ class Engine:
         self.config = config
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.model = build_model(loaded.config, dtype=config.torch_dtype, device=config.device)
-        self.model.load_weights(loaded.tensors)
-        quantized = config.quantization
-        cache_file = quantized_file(loaded.cache_entry, quantized) if loaded.cache_entry and quantized else None
-        quantize_model(self.model, quantized, batch_invariant=config.deterministic, cache_file=cache_file)
-        fused = config.fused_kernels
-        if fused:
-            self.model.use_kernels()
+        self.model, weights = build_engine_model(config, loaded)
         layout = KVLayout.for_model(loaded.config, config.page_size)
         kv_dtype = config.torch_kv_dtype
         codec = KVCodec(config.kv_codec, layout, kv_dtype)
         num_pages = config.kv_budget_bytes // codec.page_nbytes
         if num_pages < layout.num_groups:
             raise InvalidArgumentError(f"kv_budget_bytes {config.kv_budget_bytes} holds fewer pages than one token needs")
-        # K/V bits depend on how the weights are stored and on the kernels (batch-invariant or BLAS).
-        weights = f"{dtype_name(config.torch_dtype)}/{quantized or 'exact'}" + ("/deterministic" if config.deterministic else "")
-        if fused:
-            weights += "/fused"
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
         self.default_policy = self.policy()
         tiers = PageTiers(codec, config.kv_host_budget_mb * 2**20, config.kv_disk_dir, config.kv_disk_budget_mb * 2**20)
@@ -102,12 +111,16 @@ class Engine:
         stream_pages = -(-config.kv_stream_chunk_tokens // config.page_size)
         self._runner = ModelRunner(self.model, self._cache.storage, config.deterministic, tiers, stream_pages)
         self._sampler = Sampler()
+        self._step_sampler = StepSampler(self._sampler)
         self._proposer = NgramProposer(config.num_speculative_tokens) if config.speculative == "ngram" else None
         self._constraints = compiler_for(loaded.fingerprint, loaded.tokenizer, loaded.config.vocab_size)
         self.stats = EngineStats()
+        self._outputs = Outputs(loaded.tokenizer, self.max_model_len, self.stats)
         self._lock = threading.RLock()  # reentrant: a stream collected on the engine thread cancels itself
         self._wake = threading.Condition(self._lock)
-        self._finish_observers: list[Callable[[Request, str], None]] = []
+        self._last_usage = self._cache.usage()  # what kv_usage_nowait answers while the lock is busy
+        self._failure: BaseException | None = None  # why the loop died
+        self._failure_observers: list[FailureObserver] = []
         self._scheduler = Scheduler(
             self._cache, config.max_num_seqs, config.max_batched_tokens, config.prefill_chunk_tokens, self.stats,
             self._propose,
@@ -142,7 +155,19 @@ class Engine:
 
     def kv_usage(self) -> PoolUsage:
         with self._lock:
-            return self._cache.usage()
+            self._last_usage = self._cache.usage()
+            return self._last_usage
+
+    def kv_usage_nowait(self) -> PoolUsage:
+        """The pool's usage without waiting for the engine lock: exact when the lock is free, else the
+        last exact reading (health probes use it: they must answer while a step or a slow session
+        operation holds the lock)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._last_usage = self._cache.usage()
+            finally:
+                self._lock.release()
+        return self._last_usage
 
     def tier_usage(self) -> TierUsage:
         with self._lock:
@@ -170,14 +195,41 @@ class Engine:
         )
 
     def pending(self) -> int:
-        """Requests queued or running."""
+        """Requests queued or running (none once the loop died: each has had its error event)."""
+        if self._failure is not None:
+            return 0
         with self._lock:
             return len(self._scheduler.waiting) + len(self._scheduler.running)
 
     @property
     def alive(self) -> bool:
-        """False once the loop thread died: nothing would ever run a new request."""
-        return self._thread is None or self._thread.is_alive() or self._stopping
+        """False once the loop died: nothing would ever run a new request. Lock-free (health reads it)."""
+        return self._failure is None and (self._thread is None or self._thread.is_alive() or self._stopping)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What killed the loop; None while it can run."""
+        return self._failure
+
+    def add_failure_observer(self, observe: FailureObserver) -> None:
+        """`observe(error)` once if the loop dies, on its thread, after every open request had its error
+        event; at once if it already died. It must not block."""
+        with self._wake:
+            failure = self._failure
+            if failure is None:
+                self._failure_observers.append(observe)
+        if failure is not None:
+            observe(failure)
+
+    def _refuse_if_dead(self) -> None:
+        if self._failure is not None:
+            raise self._unavailable()
+
+    def _unavailable(self) -> UnavailableError:
+        error = UnavailableError(f"the engine loop stopped after an internal error ({type(self._failure).__name__}: "
+                                 f"{self._failure}); see the server log")
+        error.__cause__ = self._failure
+        return error
 
     # ---- input checks -------------------------------------------------------------------------------
 
@@ -239,6 +291,7 @@ class Engine:
     def fork_sequence(self, parent: Sequence, at: int) -> Sequence:
         """A session sequence whose history is parent.tokens[:at], sharing the parent's pages."""
         with self._lock:
+            self._refuse_if_dead()
             table, computed = self._cache.fork(parent.table, parent.num_computed, parent.tokens[:at])
             child = Sequence(parent.tokens[:at], table, session=True, num_computed=computed)
             self._scheduler.park(child)
@@ -247,13 +300,17 @@ class Engine:
     def append(self, seq: Sequence, token_ids: list[int]) -> None:
         """Extend an idle session sequence's history (validated ids); the next generate prefills them."""
         with self._lock:
+            self._refuse_if_dead()
             seq.tokens.extend(token_ids)
             self._scheduler.park(seq)
 
     def check_sequence(self, seq: Sequence) -> None:
-        """INV-1 on an idle sequence: its pages agree with its tokens (raises InvariantViolation)."""
+        """INV-1 on an idle sequence: its pages agree with its tokens (raises InvariantViolation). Once
+        the loop died there is nothing to check: no step will read these pages again (and the finish
+        events that end its requests run this)."""
         with self._lock:
-            self._cache.check(seq.table, seq.tokens, seq.num_computed)
+            if self._failure is None:
+                self._cache.check(seq.table, seq.tokens, seq.num_computed)
 
     def sequence_kv(self, seq: Sequence) -> SequenceKV:
         with self._lock:
@@ -271,8 +328,10 @@ class Engine:
 
     def capture_sequence(self, seq: Sequence, known: dict[PageKey, int]) -> KVImage:
         """A copy of an idle session sequence's K/V, taken between steps (see KVCache.capture for
-        `known`). FailedPreconditionError while a request runs on it: its pages are being written."""
+        `known`). FailedPreconditionError while a request runs on it: its pages are being written;
+        UnavailableError once the loop died mid-step, when no page can be trusted."""
         with self._lock:
+            self._refuse_if_dead()
             if any(r.seq is seq for r in (*self._scheduler.waiting, *self._scheduler.running)):
                 raise FailedPreconditionError("a generation is running on this sequence")
             return self._cache.capture(seq.table, seq.tokens, seq.num_computed, known)
@@ -282,6 +341,7 @@ class Engine:
         engine's format). If the pool cannot hold the pages now, the history alone: the next turn
         recomputes the K/V, as after memory pressure."""
         with self._lock:
+            self._refuse_if_dead()
             table = self._cache.load(image)
             computed = image.num_computed if table is not None else 0
             if table is None:
@@ -291,10 +351,11 @@ class Engine:
             return seq
 
     def release_sequence(self, seq: Sequence) -> None:
-        """The sequence's owner is done with it: pages go back now, or when its running request ends."""
+        """The sequence's owner is done with it: pages go back now, or when its running request ends
+        (never, once the loop died: the pool is not touched again)."""
         with self._lock:
             seq.closed = True
-            if any(r.seq is seq for r in (*self._scheduler.waiting, *self._scheduler.running)):
+            if self._failure is not None or any(r.seq is seq for r in (*self._scheduler.waiting, *self._scheduler.running)):
                 return
             self._scheduler.unpark(seq)
             self._cache.release(seq.table)
@@ -315,9 +376,11 @@ class Engine:
         with self._wake:
             if self._stopping:
                 raise UnavailableError("the engine is shutting down")
+            self._refuse_if_dead()
             if not self.alive:
-                raise UnavailableError("the engine loop stopped after an internal error (see the server log)")
+                raise UnavailableError("the engine loop stopped after an internal error; see the server log")
             self._scheduler.add(request)
+            self._outputs.track(request)
             self._ensure_thread()
             self._wake.notify()
         return request
@@ -330,8 +393,8 @@ class Engine:
 
     def add_finish_observer(self, observe: Callable[[Request, str], None]) -> None:
         """Called on the engine thread, without the engine lock, with each request and its finish
-        reason (metrics use it)."""
-        self._finish_observers.append(observe)
+        reason (metrics use it). One that raises is logged; the finish event still goes out."""
+        self._outputs.add_observer(observe)
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -341,59 +404,113 @@ class Engine:
             self._thread.start()
 
     def _loop(self) -> None:
-        while True:
-            with self._wake:
-                while not self._stopping and not (self._scheduler.has_work() or self._finished):
-                    self._wake.wait()
-                if self._stopping:
-                    return
+        """Steps while there is work, until shutdown. Whatever escapes the step's own error handling
+        kills the loop, and `_die` then ends every open request: no caller is left waiting."""
+        try:
+            while self._wait_for_work():
+                self._guarded_step()
+        except BaseException as error:  # noqa: BLE001 - the loop's death is reported, never lost
+            self._die(error)
+
+    def _wait_for_work(self) -> bool:
+        """False once shutdown began."""
+        with self._wake:
+            while not self._stopping and not (self._scheduler.has_work() or self._finished):
+                self._wake.wait()
+            return not self._stopping
+
+    def _guarded_step(self) -> None:
+        try:
+            self.step()
+        except Exception as error:  # a bug in a step fails the requests in flight, never the engine
+            logger.exception("engine step failed; failing the requests in flight")
+            with self._lock:
+                ended = self._fail([*self._scheduler.running, *self._scheduler.waiting], error)
+            self._outputs.deliver(ended)
+
+    def _die(self, error: BaseException) -> None:
+        """The loop cannot go on (failing a failed step's requests failed too, so the pages and the
+        scheduler cannot be trusted). Refuse everything from now on, end every open request with an
+        UnavailableError without touching the pool, then tell the failure observers. Never raises."""
+        logger.critical("the engine loop died; failing every open request", exc_info=error)
+        with self._wake:
+            self._failure = error
+            observers = list(self._failure_observers)
+            self._wake.notify_all()
+        failed = self._outputs.fail_open(self._unavailable())
+        logger.critical("%d open requests ended with UNAVAILABLE", failed)
+        for observe in observers:
             try:
-                self.step()
-            except Exception as error:  # a bug in a step fails the requests in flight, never the engine
-                logger.exception("engine step failed; failing the requests in flight")
-                with self._lock:
-                    ended = self._fail([*self._scheduler.running, *self._scheduler.waiting], error)
-                self._emit(ended)
+                observe(error)
+            except Exception:
+                logger.exception("an engine failure observer raised")
 
     def shutdown(self) -> None:
         """Stop the loop (after the step in flight, whose forward still writes pages), then cancel
-        everything queued or running and release stateless requests' pages."""
+        everything queued or running and release stateless requests' pages. Whatever happens on the
+        way, no request is left without a finish event."""
         with self._wake:
             self._stopping = True
             self._wake.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
-        with self._lock:
-            ended = [self._finish(r, "cancelled") for r in [*self._scheduler.running, *self._scheduler.waiting]]
-            self._release_finished()
-        self._emit(ended)
-        _live_engines.discard(self)
+        try:
+            if self._failure is None:
+                with self._lock:
+                    ended = [self._finish(r, "cancelled") for r in [*self._scheduler.running, *self._scheduler.waiting]]
+                    self._release_finished()
+                self._outputs.deliver(ended)
+        finally:
+            self._outputs.fail_open(UnavailableError("the engine shut down"))
+            _live_engines.discard(self)
 
     def step(self) -> None:
-        """One scheduler step. Safe to call directly when no loop thread runs (tests)."""
+        """One scheduler step: schedule -> forward -> commit -> sample -> accept -> emit. Safe to call
+        directly when no loop thread runs (tests)."""
         with self._lock:
-            self._release_finished()
-            ended = self._drop_cancelled()
-            chunks = self._scheduler.schedule()
-            ended += [self._finish(r, "error", error=e) for r, e in self._scheduler.failed]
-            self._scheduler.failed.clear()
-            inputs = self._runner.prepare([Chunk(c.request.seq, c.num_tokens, int(c.samples) + len(c.draft), c.draft) for c in chunks]) if chunks else None
-        self._emit(ended)
+            chunks, inputs, ended = self._schedule()
+        self._outputs.deliver(ended)
         if inputs is None:
             return
-        sampling = [c for c in chunks if c.samples]
+        sampling = [c for c in chunks if c.samples]  # read before the commit moves num_computed
+        logits = self._forward(chunks, inputs)
+        if logits is None:
+            return
+        sampled = self._step_sampler.sample(sampling, logits)
+        accepted = self._outputs.accept([c.request for c in sampling], sampled)
+        with self._lock:
+            self._settle_drafts(sampling, sampled, accepted.appended)
+            ended = [self._finish(r, reason, stop_string) for r, reason, stop_string in accepted.endings]
+            ended += [finished for r, error in accepted.failures for finished in self._fail([r], error)]
+        self._outputs.deliver(ended)
+
+    def _schedule(self) -> tuple[list[ScheduledChunk], StepInputs | None, list[Finished]]:
+        """Under the lock: this step's chunks and their model inputs (None: nothing to run), and the
+        requests that ended before it (cancelled, or refused by the scheduler)."""
+        self._release_finished()
+        ended = self._drop_cancelled()
+        chunks = self._scheduler.schedule()
+        ended += [self._finish(r, "error", error=e) for r, e in self._scheduler.failed]
+        self._scheduler.failed.clear()
+        if not chunks:
+            return chunks, None, ended
+        inputs = self._runner.prepare([Chunk(c.request.seq, c.num_tokens, int(c.samples) + len(c.draft), c.draft) for c in chunks])
+        return chunks, inputs, ended
+
+    def _forward(self, chunks: list[ScheduledChunk], inputs: StepInputs) -> torch.Tensor | None:
+        """Runs the model (without the lock) and commits the K/V it wrote. The logits of the sampling
+        rows, or None: no row samples, or the forward failed (its requests then failed)."""
         try:
             logits = self._runner.run(inputs)
         except Exception as error:  # a failed forward fails its requests, never the engine
             with self._lock:
                 ended = self._fail([c.request for c in chunks], error)
-            self._emit(ended)
-            return
+            self._outputs.deliver(ended)
+            return None
         self.stats.note_step_attention(inputs.attention.kv.peak_bytes)
         with self._lock:
             self._commit(chunks)
-        if logits is not None:
-            self._emit(self._accept_all(sampling, self._sample(sampling, logits)))
+        return logits
 
     def _commit(self, chunks: list[ScheduledChunk]) -> None:
         self.stats.steps += 1
@@ -403,36 +520,12 @@ class Engine:
             seq.num_computed += chunk.num_tokens - len(chunk.draft)  # a draft's rows count once accepted
             self._cache.commit(seq.table, seq.tokens, seq.num_computed)
 
-    def _accept_all(self, chunks: list[ScheduledChunk], sampled: list[list[Sampled] | Exception]) -> list[Finished]:
-        """Tokens join their sequences and stream out; stop conditions are checked (all without the lock:
-        a running request's tokens are the engine thread's alone). Then speculative chunks keep the K/V
-        of the draft tokens that joined, and the finished requests end together."""
-        endings: list[tuple[Request, str, str | None]] = []
-        failures: list[tuple[Request, Exception]] = []
-        appended: list[int] = []
-        for chunk, result in zip(chunks, sampled, strict=True):
-            request = chunk.request
-            before = len(request.generated)
-            if request.cancelled.is_set():
-                endings.append((request, "cancelled", None))
-            elif isinstance(result, Exception):
-                failures.append((request, result))
-            else:
-                for token, logprob, top in result:
-                    if request.matcher is not None and not request.matcher.accept(token):  # only a bug gets here
-                        failures.append((request, InvariantViolation("constraint", f"sampled token {token} outside the mask")))
-                        break
-                    reason, stop_string = self._accept(request, token, logprob, top)
-                    if reason:
-                        endings.append((request, reason, stop_string))
-                        break
-            appended.append(len(request.generated) - before)
-        with self._lock:
-            for chunk, count, result in zip(chunks, appended, sampled, strict=True):
-                if chunk.draft:
-                    self._settle_draft(chunk, count, 0 if isinstance(result, Exception) else len(result) - 1)
-            ended = [self._finish(r, reason, stop_string) for r, reason, stop_string in endings]
-            return ended + [finished for r, error in failures for finished in self._fail([r], error)]
+    def _settle_drafts(self, chunks: list[ScheduledChunk], sampled: list[list[Sampled] | Exception], appended: list[int]) -> None:
+        """Under the lock, once the tokens joined: speculative chunks keep the K/V of the draft tokens
+        that joined (verification accepted all but the last token it returned)."""
+        for chunk, count, result in zip(chunks, appended, sampled, strict=True):
+            if chunk.draft:
+                self._settle_draft(chunk, count, 0 if isinstance(result, Exception) else len(result) - 1)
 
     def _settle_draft(self, chunk: ScheduledChunk, appended: int, accepted: int) -> None:
         """After a speculative step: draft rows whose tokens joined the sequence keep their K/V, except
@@ -448,123 +541,17 @@ class Engine:
 
     def _propose(self, request: Request, limit: int) -> list[int]:
         """A draft for a decode row, none past max_tokens or the context. Under a constraint the grammar
-        checks the draft at verification (_mask_draft_rows)."""
+        checks the draft at verification (step_sampler.mask_draft_rows)."""
         if self._proposer is None:
             return []
         room = min(limit, request.params.max_tokens - len(request.generated) - 1, self.max_model_len - len(request.seq.tokens) - 1)
         return self._proposer.propose(request, room)
 
-    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[list[Sampled] | Exception]:
-        """Each sampling chunk's tokens: one sampled from its row, or a draft's verified prefix plus one.
-        A failure fails only its request."""
-        starts = list(accumulate([0, *(1 + len(c.draft) for c in chunks)]))
-        plain = [i for i, c in enumerate(chunks) if not c.draft]
-        results: list[list[Sampled] | Exception] = [[] for _ in chunks]
-        if plain:
-            # Every row a plain chunk's (no drafts in the step): the logits as they are, no 1 MB-per-row copy.
-            rows = logits if len(plain) == len(logits) else logits[[starts[i] for i in plain]]
-            sampled = self._sample_plain(rows, [chunks[i].request for i in plain])
-            for i, result in zip(plain, sampled, strict=True):
-                results[i] = result if isinstance(result, Exception) else [result]
-        for i, chunk in enumerate(chunks):
-            if chunk.draft:
-                try:
-                    results[i] = self._verify(chunk, logits[starts[i] : starts[i + 1]])
-                except Exception as error:
-                    logger.exception("verifying a draft failed")
-                    results[i] = error
-        return results
-
-    def _verify(self, chunk: ScheduledChunk, rows: torch.Tensor) -> list[Sampled]:
-        request, params = chunk.request, chunk.request.params
-        rows = constrain(rows, [None] * len(rows), [params.logit_bias] * len(rows))
-        if request.matcher is not None:
-            rows = self._mask_draft_rows(request.matcher, rows, chunk.draft)
-        tokens = verify(rows, chunk.draft, params, self._sampler, request.request_id)
-        rows = rows[: len(tokens)]
-        logprobs = torch.log_softmax(rows, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist() if params.logprobs else None
-        tops = top_logprobs(rows, [params.top_logprobs] * len(tokens))
-        return [(token, logprobs[i] if logprobs else None, tops[i]) for i, token in enumerate(tokens)]
-
-    @staticmethod
-    def _mask_draft_rows(matcher: Matcher, rows: torch.Tensor, draft: list[int]) -> torch.Tensor:
-        """Row i of a draft's logits masked by the grammar as it stands after the draft's first i tokens.
-        A draft token the grammar refuses is masked out of its row, so verification rejects it there and
-        never reads the rows after it (left unmasked). The matcher ends as it began: the accepted tokens
-        advance it again when they join the sequence."""
-        rows = rows.clone()
-        advanced = 0
-        for i in range(len(rows)):
-            rows[i : i + 1] = constrain(rows[i : i + 1], [matcher], [()])
-            if i == len(draft) or not matcher.accept(draft[i]):
-                break
-            advanced += 1
-        matcher.rollback(advanced)
-        return rows
-
-    def _sample_plain(self, logits: torch.Tensor, requests: list[Request]) -> list[Sampled | Exception]:
-        """(token, logprob or None, top alternatives or None) per request. Should sampling the batch fail
-        (a bug), each row is sampled alone, so only the request whose sampling fails fails."""
-        try:
-            return self._sample_rows(logits, requests)
-        except Exception:
-            logger.exception("sampling a batch failed; sampling its rows one by one")
-        sampled: list[Sampled | Exception] = []
-        for row, request in enumerate(requests):
-            try:
-                sampled += self._sample_rows(logits[row : row + 1], [request])
-            except Exception as error:
-                sampled.append(error)
-        return sampled
-
-    def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> list[Sampled]:
-        logits = constrain(logits, [r.matcher for r in requests], [r.params.logit_bias for r in requests])
-        token_ids, logprobs = self._sampler.sample(logits, [r.params for r in requests], [r.request_id for r in requests])
-        tops = top_logprobs(logits, [r.params.top_logprobs for r in requests])
-        return [(token, logprobs[row] if logprobs and request.params.logprobs else None, tops[row])
-                for row, (token, request) in enumerate(zip(token_ids, requests, strict=True))]
-
-    def _accept(self, request: Request, token: int, logprob: float | None,
-                top: tuple[tuple[int, float], ...] | None) -> tuple[str | None, str | None]:
-        request.seq.tokens.append(token)
-        request.generated.append(token)
-        if request.first_token_at is None:
-            request.first_token_at = time.perf_counter()
-        self.stats.generated_tokens += 1
-        request.emit(TokenEvent(token, logprob, top))
-        return self._stop_reason(request, token)
-
-    def _stop_reason(self, request: Request, token: int) -> tuple[str | None, str | None]:
-        params = request.params
-        if token in request.stop_token_ids or (request.matcher is not None and request.matcher.is_terminated()):
-            return "stop", None
-        if params.stop and (stop := self._stop_string_at_end(request.generated, params.stop)):
-            return "stop", stop
-        if len(request.generated) >= params.max_tokens or len(request.seq.tokens) >= self.max_model_len:
-            return "length", None
-        return None, None
-
-    def _stop_string_at_end(self, generated: list[int], stops: tuple[str, ...]) -> str | None:
-        """A stop string in the text's tail. Earlier steps checked everything before the newest token,
-        so only enough trailing tokens to hold the longest stop string next to the newest token's text
-        are decoded: each step costs O(stop length), not O(reply length). The margin absorbs what
-        decoding from mid-text changes at the tail's left edge (a split character, a leading space)."""
-        need = max(map(len, stops)) + len(self.tokenizer.decode(generated[-1:])) + STOP_TAIL_MARGIN
-        count = need
-        while True:
-            tail = self.tokenizer.decode(generated[-count:])
-            if len(tail) >= need or count >= len(generated):
-                break
-            count *= 2  # tokens that decode to little (special, partial bytes): widen until it holds
-        return next((stop for stop in stops if stop in tail), None)
-
-    # ---- endings (under the lock; their events are emitted after it is released) --------------------
+    # ---- endings (under the lock; their events are delivered after it is released) ------------------
 
     def _finish(self, request: Request, reason: str, stop_string: str | None = None, error: Exception | None = None) -> Finished:
         self._scheduler.remove(request)
-        if not request.prompt_tokens:
-            request.prompt_tokens = len(request.seq.tokens) - len(request.generated)
-            request.reused_tokens = request.seq.num_computed
+        usage = request.settle_usage()
         self.stats.reused_tokens += request.reused_tokens
         self.stats.prefix_hit_tokens += request.prefix_hit_tokens
         self.stats.requests_by_outcome[reason] += 1
@@ -574,7 +561,7 @@ class Engine:
             self._finished.append(request)
         else:
             self._scheduler.park(seq)
-        return request, FinishEvent(reason, request.usage(), stop_string, error)
+        return request, FinishEvent(reason, usage, stop_string, error)
 
     def _fail(self, requests: list[Request], error: Exception) -> list[Finished]:
         """End requests with an error, dropping pages allocated past what they computed."""
@@ -591,12 +578,6 @@ class Engine:
             self._cache.release(request.seq.table)
             request.seq.num_computed = 0
         self._finished.clear()
-
-    def _emit(self, ended: list[Finished]) -> None:
-        for request, event in ended:
-            for observe in self._finish_observers:
-                observe(request, event.reason)
-            request.emit(event)
 
 
 _live_engines: weakref.WeakSet[Engine] = weakref.WeakSet()

@@ -75,6 +75,14 @@ class Request:
     first_token_at: float | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
+    def settle_usage(self) -> Usage:
+        """The usage its finish event reports. A request that ends before its admission counted its
+        prompt has its whole history as prompt and its computed tokens as reused."""
+        if not self.prompt_tokens:
+            self.prompt_tokens = len(self.seq.tokens) - len(self.generated)
+            self.reused_tokens = self.seq.num_computed
+        return self.usage()
+
     def usage(self) -> Usage:
         return Usage(
             prompt_tokens=self.prompt_tokens,

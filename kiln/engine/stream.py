@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -14,10 +15,16 @@ from kiln.results import GenerationResult
 
 class BaseStream:
     """What both stream kinds remember of the events they hand out. `emit` runs on the engine thread
-    and never blocks; `cancel` stops the generation and frees its sequence."""
+    and never blocks; `cancel` stops the generation and frees its sequence.
+
+    A stream may be cancelled before its request is accepted (an RPC cancelled while its submission
+    runs on a worker thread): the cancel is remembered, and the request is cancelled the moment it is
+    set, so no generation outlives a caller that already left."""
 
     def __init__(self, cancel: Callable[[Request], None]) -> None:
-        self.request: Request | None = None  # set once the engine has accepted the request
+        self._request: Request | None = None  # set once the engine has accepted the request
+        self._cancel_asked = False
+        self._guard = threading.Lock()  # orders `cancel` against `request` being set on another thread
         self._cancel = cancel
         self._started = time.perf_counter()
         self._first_token_at: float | None = None
@@ -31,9 +38,24 @@ class BaseStream:
     def finished(self) -> bool:
         return self._finish is not None
 
+    @property
+    def request(self) -> Request | None:
+        return self._request
+
+    @request.setter
+    def request(self, request: Request) -> None:
+        with self._guard:
+            self._request = request
+            cancelled = self._cancel_asked
+        if cancelled:
+            self._cancel(request)
+
     def cancel(self) -> None:
-        if self._finish is None and self.request is not None:
-            self._cancel(self.request)
+        with self._guard:
+            self._cancel_asked = True
+            request = self._request
+        if self._finish is None and request is not None:
+            self._cancel(request)
 
     def logprobs_from(self, start: int) -> list[float]:
         """Logprobs of the tokens handed out so far, from the `start`-th on (empty unless requested):
@@ -125,8 +147,14 @@ class AsyncGenerationStream(BaseStream):
         self._events: asyncio.Queue[Event] = asyncio.Queue()
 
     def emit(self, event: Event) -> None:
-        if not self._loop.is_closed():
+        """Hands the event to the consumer's loop. A loop that closed (its consumer gone for good) takes
+        nothing, and the generation is cancelled: asking first whether it is closed would race with
+        the closing, so the hand-over itself is tried."""
+        try:
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # "Event loop is closed"
+            if not isinstance(event, FinishEvent):
+                self.cancel()
 
     def __aiter__(self) -> AsyncIterator[int]:
         return self
