@@ -7,9 +7,11 @@ from dataclasses import dataclass, fields
 import torch
 
 from kiln.errors import InvalidArgumentError
-from kiln.kv.codec import CODECS
-from kiln.kv.policy import POLICIES
 from kiln.kernels import supported as kernels_supported
+from kiln.kernels import unavailable_reason as kernels_unavailable_reason
+from kiln.kv.codec import CODECS
+from kiln.kv.page_format import PAGE_SIZES
+from kiln.kv.policy import POLICIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # How the projections and the LM head are stored (kiln/models/quant.py); "auto" picks per machine.
@@ -25,8 +27,9 @@ class EngineConfig:
     dtype: str = "float32"  # weights and activations
     # int8 projections and LM head (kiln/models/quant.py). CPU decode is bound by reading weights: int8
     # reads a quarter of fp32's bytes (embedded model perplexity +0.4 %, bench/weight_formats.py). None is
-    # the exact path in `dtype`, the reference of the parity tests. "auto": int8 on a CPU with AVX2 and a
-    # C++ compiler and dtype float32, else None.
+    # the exact path in `dtype`, the reference of the parity tests. "auto": int8 where Kiln's CPU kernels run
+    # (kiln/kernels: an AVX2 CPU, built and loaded) and dtype is float32, else None. "int8" on the CPU without
+    # the kernels is refused, naming why they are unavailable.
     quantization: str | None = "auto"
     # Bit-identical logits for a sequence whatever shares its batch, however its prefill is chunked, and
     # whether computed incrementally or at once: batch-invariant kernels for every matmul and attention.
@@ -41,7 +44,7 @@ class EngineConfig:
     # kernels read it in place at half float32's bytes, and decode attention is bound by reading them; llama.cpp
     # keeps float16 K/V too), else the same as dtype, so the exact path (quantization None) stays exact.
     kv_dtype: str | None = "auto"
-    page_size: int = 16  # tokens per KV page
+    page_size: int = 16  # tokens per KV page: a power of two up to 256 (kiln/kv/page_format.py, PAGE_SIZES)
     kv_budget_bytes: int = 2 * 1024**3  # memory for KV pages; the pool is sized from it at start
     max_num_seqs: int = 32  # requests in one step
     max_batched_tokens: int = 1024  # tokens in one step (decode rows count 1)
@@ -77,12 +80,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("page_size", "kv_budget_bytes", "max_num_seqs", "max_batched_tokens", "prefill_chunk_tokens", "max_sessions"):
+        for name in ("kv_budget_bytes", "max_num_seqs", "max_batched_tokens", "prefill_chunk_tokens", "max_sessions"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive")
         if self.dtype not in DTYPES:
             problems.append(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kv_dtype not in (None, "auto", *DTYPES):
+        if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size not in PAGE_SIZES:
+            problems.append(f"page_size must be one of {', '.join(map(str, PAGE_SIZES))} (the attention kernels' page sizes), "
+                            f"got {self.page_size!r}")
             problems.append(f"kv_dtype must be one of {sorted(DTYPES)}, 'auto' or None, got {self.kv_dtype!r}")
         on_cpu = self.device.split(":")[0] == "cpu"
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -94,10 +100,13 @@ class EngineConfig:
         if self.kv_dtype == "auto":
             object.__setattr__(self, "kv_dtype", "float16" if on_cpu and self.quantization is not None else None)
         if not isinstance(self.deterministic, bool):
+        elif self.quantization is not None and on_cpu and not kernels_supported():
+            problems.append(f"quantization {self.quantization!r} runs on Kiln's CPU kernels, which are unavailable here "
+                            f"({kernels_unavailable_reason()}); use quantization None or 'auto'")
             problems.append(f"deterministic must be a boolean, got {self.deterministic!r}")
         elif self.deterministic and (not on_cpu or self.dtype != "float32" or self.kv_dtype == "bfloat16" or not kernels_supported()):
             problems.append(
-                f"deterministic needs device 'cpu' with AVX2 and a C++ compiler, dtype 'float32' and float32 or float16 KV pages (got dtype {self.dtype!r}, "
+                f"deterministic needs device 'cpu' with Kiln's CPU kernels (kiln/kernels), dtype 'float32' and float32 or float16 KV pages (got dtype {self.dtype!r}, "
                 f"kv_dtype {self.kv_dtype!r} on {self.device!r}): its batch-invariant kernels exist for that only"
             )
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
@@ -125,7 +134,7 @@ class EngineConfig:
     @property
     def fused_kernels(self) -> bool:
         """Whether the model computes norms and RoPE with Kiln's fused CPU kernels (CausalLM.use_kernels):
-        float32 on a CPU that has them."""
+        float32 on a CPU where they run."""
         return self.device.split(":")[0] == "cpu" and self.dtype == "float32" and kernels_supported()
 
     @property

@@ -1,77 +1,98 @@
-"""Kiln's C++ CPU kernels (linear.cpp, attention.cpp, norms.cpp, activations.cpp, argmax.cpp, kv_store.cpp),
-compiled on first use with the machine's C++ compiler.
+"""Kiln's C++ CPU kernels (kernels.h lists them; bindings.cpp binds them), compiled on first use with the
+machine's C++ compiler, and the one place that decides whether they are used.
 
-The build lands in PyTorch's extension directory ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions)
-under a name with a digest of the sources, the compiler flags and the PyTorch version, so it happens
-once per machine (about 40 s on the 2-core machines here), whatever converted-weight cache a process
-uses, and a changed source or PyTorch never loads a stale library. Concurrent first uses in several
-processes wait on one build (PyTorch's build lock).
+Shipped as sources (package data) and built at first use, not at install time: the build needs the exact
+PyTorch the process runs (its headers and ABI) and this CPU's instruction set (-mavx2), which a wheel built
+elsewhere cannot promise; and where no compiler works, Kiln still runs on PyTorch ops instead of failing to
+install. The build happens once per machine and is shared by every checkout and installed copy of the same
+sources (build.py: how, and why a killed start can never make a later one wait).
+
+`supported()` is the question every caller asks: an AVX2 CPU and a library that loaded. When the answer is
+no, Kiln takes its PyTorch path, says so once per process in one warning (the cause, and what changes), and
+never tries again in that process:
+- EngineConfig's quantization "auto" resolves to None (float32 weights; an explicit "int8" is refused with
+  the cause), and kv_dtype "auto" to the weights' dtype;
+- the model's norms, q/k norm + RoPE and gated activation run as PyTorch ops (no fused kernels);
+- KV rows are stored by the codec's PyTorch encoding, and attention gathers pages for PyTorch's matmuls;
+- greedy sampling uses torch.argmax.
+The deterministic mode needs the kernels and is refused without them. Nothing on that path needs a compiler.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
-import shutil
-from pathlib import Path
+import threading
+import warnings
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from kiln.errors import UnavailableError
-
-SOURCES = [
-    Path(__file__).with_name(name)
-    for name in ("linear.cpp", "attention.cpp", "norms.cpp", "activations.cpp", "argmax.cpp", "kv_store.cpp")
-]
-HEADERS = [Path(__file__).with_name(name) for name in ("pool.h", "vec_math.h")]  # in the digest too: a changed header rebuilds
-# -ffp-contract=off: the compiler must not fuse a multiply and an add on its own, which it may do in one
-# inlined copy of a loop and not in another; the kernels' results must not depend on which copy ran.
-# -mf16c: coded KV pages' float16 scales (attention.cpp); every AVX2 CPU has F16C.
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+from kiln.kernels import build
 
 
 def supported() -> bool:
-    """The kernels need an x86 CPU with AVX2 and FMA (PyTorch reports AVX2 or better) and a C++ compiler
-    to build them (PyTorch's builder runs $CXX, else c++). Where either is missing, "auto" picks the
-    exact path and decode gathers pages instead."""
-    compiler = os.environ.get("CXX", "c++")
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and shutil.which(compiler) is not None
+    """Whether the kernels run in this process: an x86 CPU with AVX2 and FMA (PyTorch reports AVX2 or
+    better) and a library that was built (now, if need be) and loaded. Memoised; the first False warns once."""
+    return _library.outcome().module is not None
 
 
-@functools.cache
+def unavailable_reason() -> str | None:
+    """Why `supported()` is False (None when it is True)."""
+    return _library.outcome().reason
+
+
 def kernels() -> ModuleType:
     """The compiled extension: linear_f32, linear_int8, unpack (linear.cpp), paged_attention,
-    paged_attention_coded (attention.cpp), rms_norm, residual_norm, qk_norm_rope (norms.cpp), gated_activation
-    (activations.cpp), argmax_rows (argmax.cpp), store_kv (kv_store.cpp)."""
-    if not supported():
-        raise UnavailableError(
-            f"Kiln's CPU kernels need AVX2 and FMA; this CPU reports {torch.backends.cpu.get_cpu_capability()}"
-        )
-    from torch.utils.cpp_extension import load  # imported late: it pulls in setuptools
-
-    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    digest = hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
-    _ninja_on_path()
-    try:
-        return load(
-            name=f"kiln_kernels_{digest}",
-            sources=[str(path) for path in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-        )
-    except (OSError, RuntimeError) as error:  # no compiler, no ninja, a failed build
-        raise UnavailableError(f"could not build Kiln's CPU kernels: {error}") from error
+    paged_attention_coded (attention.cpp), rms_norm, residual_norm, qk_norm_rope (norms.cpp),
+    gated_activation (activations.cpp), argmax_rows (argmax.cpp), store_kv (kv_store.cpp), page_format
+    (page_format.h). Callers check `supported()` first; without it, UnavailableError names the cause."""
+    outcome = _library.outcome()
+    if outcome.module is None:
+        raise UnavailableError(f"Kiln's CPU kernels are unavailable: {outcome.reason}")
+    return outcome.module
 
 
-def _ninja_on_path() -> None:
-    """PyTorch's builder runs `ninja` from PATH; the pip package's binary is found even outside an
-    activated virtual environment."""
-    if shutil.which("ninja"):
-        return
-    try:
-        import ninja
-    except ImportError:
-        return
-    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+@dataclass(frozen=True)
+class _Outcome:
+    module: ModuleType | None
+    reason: str | None
+
+
+class _Library:
+    """The process's one attempt at loading the kernels, and its outcome."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._outcome: _Outcome | None = None
+
+    def outcome(self) -> _Outcome:
+        with self._lock:
+            if self._outcome is None:
+                self._outcome = self._attempt()
+                if self._outcome.module is None:
+                    warnings.warn(_fallback_message(self._outcome.reason or "unknown"), RuntimeWarning, stacklevel=3)
+            return self._outcome
+
+    @staticmethod
+    def _attempt() -> _Outcome:
+        capability = torch.backends.cpu.get_cpu_capability()
+        if capability not in ("AVX2", "AVX512"):
+            return _Outcome(None, f"they need AVX2 and FMA; this CPU reports {capability}")
+        try:
+            return _Outcome(build.load(), None)
+        except UnavailableError as error:
+            return _Outcome(None, str(error))
+        except Exception as error:  # a broken cache directory, a library that cannot load: still "not here"
+            return _Outcome(None, f"{type(error).__name__}: {error}")
+
+
+def _fallback_message(reason: str) -> str:
+    return (
+        f"Kiln's CPU kernels are off in this process ({reason}). Running on PyTorch ops instead: quantization "
+        "'auto' falls back to None (float32 weights), fused norm/RoPE/activation/KV-store/argmax kernels are off, "
+        "and attention gathers KV pages for PyTorch's matmuls."
+    )
+
+
+_library = _Library()

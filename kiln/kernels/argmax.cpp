@@ -1,14 +1,16 @@
 // Greedy decoding's argmax over a vocabulary of logits, for float32 on AVX2 CPUs.
 //
-// Why: torch's argmax over the embedded model's 262,144 logits took 0.28 ms of a 14 ms decode step on the
-// 2-core machines here (its OpenMP team wakes from sleep on the engine thread; see pool.h). This splits the
-// vocabulary between the pool's threads and keeps, per lane, the first index of the largest value.
+// Why: torch's argmax over a large vocabulary (the embedded model's 262,144 logits) runs on an OpenMP team
+// that wakes from sleep on the engine thread (see pool.h), a visible share of a small model's decode step.
+// This splits the vocabulary between the pool's threads and keeps, per lane, the first index of the largest
+// value.
 //
 // The answer is torch.argmax's: the first index of the maximum, and a NaN counts as larger than anything
 // (the first NaN's index when there is one).
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include "kernels.h"
 #include "pool.h"
 #include <cmath>
 #include <limits>

@@ -42,12 +42,14 @@
 // Float16 pages (raw, no codec) are read where they lie like float32 ones, each 8 values widened to float32
 // as they are loaded. Widening is exact, so the result is bit-identical to paged_attention on float32 pages
 // holding the same values, and batch-invariant the same way. Why: decode attention streams every visible
-// key and value once a step: 8 agents' decode steps (450-900 tokens of history each) spent 5.6-6.3 ms a step
-// in attention on float16 pages against 8.9-10.3 ms on float32 ones.
+// key and value once a step, so half the bytes is most of half the time (bench/README.md, agents).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "checks.h"
+#include "kernels.h"
+#include "page_format.h"
 #include "pool.h"
 #include "vec_math.h"
 #include <algorithm>
@@ -59,8 +61,8 @@
 namespace {
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head handled in one pass over the keys
-constexpr int64_t kMaxPage = 256;  // tokens per page
-constexpr int64_t kChunkTokens = 256;  // a query's keys are split at multiples of this position
+constexpr int64_t kMaxPage = kiln::page_format::kMaxPageTokens;
+constexpr int64_t kChunkTokens = kiln::page_format::kChunkTokens;  // a query's keys are split at multiples of this position
 constexpr int64_t kRowBlock = 16;  // consecutive query rows of a sequence that read each page together
 
 // 8 keys' or values' channels as float32: float32 pages as they are, float16 ones widened (exactly).
@@ -72,7 +74,7 @@ constexpr int64_t kRowBlock = 16;  // consecutive query rows of a sequence that 
 // score[j][i] = (query head j . key i) * scale for G query heads at once: each key is loaded once for all
 // of them, and the 2 G accumulators (even and odd 8-lane blocks) keep the multiply-adds overlapping. The
 // values' cache lines are prefetched meanwhile; they are read next. Both tiles are forced inline: with two
-// callers (float32 and coded pages) GCC left them out of line, and the float32 path ran about 3 % slower.
+// callers (float32 and coded pages) GCC left them out of line, and the float32 path ran slower.
 template <int G, class T>
 [[gnu::always_inline]] inline void tile_scores(const float* query, const T* k, const T* v, const int64_t* offsets,
                                                int64_t count, int64_t D, float scale, float (*score)[kMaxPage]) {
@@ -349,7 +351,8 @@ struct Problem {
 
 // What both entry points check of q and the pages' shape; returns head_dim.
 int64_t check_query(const torch::Tensor& q, int64_t page_size, int64_t kv_heads) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "q: contiguous float32 [N, H, D]");
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32,
+              "q: contiguous float32 CPU tensor [N, H, D]");
   const int64_t H = q.size(1), D = q.size(2);
   TORCH_CHECK(D % 8 == 0, "head_dim must be a multiple of 8");
   TORCH_CHECK(kv_heads > 0 && H % kv_heads == 0 && H / kv_heads <= kMaxGroup,
@@ -361,19 +364,53 @@ int64_t check_query(const torch::Tensor& q, int64_t page_size, int64_t kv_heads)
 // [P, page_size, kv_heads, last] laid out contiguously inside a page (any page stride).
 void check_page_view(const torch::Tensor& t, const char* name, torch::ScalarType dtype, int64_t pages, int64_t page_size,
                      int64_t kv_heads, int64_t last) {
-  TORCH_CHECK(t.scalar_type() == dtype, name, ": expected ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, name, ": expected a CPU tensor of ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 4 && t.size(0) == pages && t.size(1) == page_size && t.size(2) == kv_heads && t.size(3) == last,
               name, ": expected [", pages, ", ", page_size, ", ", kv_heads, ", ", last, "], got ", t.sizes());
   TORCH_CHECK(t.stride(3) == 1 && t.stride(2) == last && t.stride(1) == kv_heads * last, name, ": must be contiguous inside a page");
 }
 
+// The query rows' index tensors as contiguous int64, checked against each other and the pool.
+struct Indices {
+  torch::Tensor table, first, seq_of, pos_of;
+};
+
+// Everything the kernel indexes memory with is checked: block_table [B, W] page ids within the pool,
+// first_pos [B, W] (the same shape) non-negative and ascending along each sequence's row, row_seq / row_pos
+// [N] one per query row, each row's sequence within the table and its position covered by one of that
+// sequence's pages (the row's own key, stored before attention reads it).
+Indices check_indices(const torch::Tensor& block_table, const torch::Tensor& first_pos, const torch::Tensor& row_seq,
+                      const torch::Tensor& row_pos, int64_t N, int64_t pages, int64_t page_size) {
+  Indices in{kiln::index_tensor(block_table, "block_table", 2), kiln::index_tensor(first_pos, "first_pos", 2),
+             kiln::index_tensor(row_seq, "row_seq", 1), kiln::index_tensor(row_pos, "row_pos", 1)};
+  const int64_t B = in.table.size(0), W = in.table.size(1);
+  TORCH_CHECK(in.first.sizes() == in.table.sizes(), "first_pos: expected the block table's shape ", in.table.sizes(), ", got ",
+              in.first.sizes());
+  TORCH_CHECK(in.seq_of.numel() == N && in.pos_of.numel() == N, "row_seq, row_pos: one per query row (", N, "), got ",
+              in.seq_of.numel(), " and ", in.pos_of.numel());
+  kiln::check_range(in.table.data_ptr<int64_t>(), B * W, 0, pages, "block_table");
+  kiln::check_range(in.seq_of.data_ptr<int64_t>(), N, 0, B, "row_seq");
+  const int64_t* first = in.first.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * W; ++i)
+    TORCH_CHECK(first[i] >= 0 && (i % W == 0 || first[i - 1] <= first[i]), "first_pos[", i / W, ", ", i % W, "] = ", first[i],
+                ": positions must be non-negative and ascending along a sequence's pages");
+  const int64_t *seq_of = in.seq_of.data_ptr<int64_t>(), *pos_of = in.pos_of.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t* starts = first + seq_of[n] * W;
+    const int64_t* page = std::upper_bound(starts, starts + W, pos_of[n]);  // just past the page holding the position
+    TORCH_CHECK(pos_of[n] >= 0 && page != starts && pos_of[n] - page[-1] < page_size, "row ", n, " at position ", pos_of[n],
+                " of sequence ", seq_of[n], ": no page of the block table holds that position");
+  }
+  return in;
+}
+
 // Runs the problem over every row of q (the pages' checks done).
 template <class Pages>
 torch::Tensor attend(const Pages& pages, const torch::Tensor& q, const torch::Tensor& block_table, const torch::Tensor& first_pos,
-                     const torch::Tensor& row_seq, const torch::Tensor& row_pos, int64_t page_size, int64_t kv_heads,
-                     int64_t window, double scale) {
-  auto table = block_table.to(torch::kLong).contiguous(), first = first_pos.to(torch::kLong).contiguous();
-  auto seq_of = row_seq.to(torch::kLong).contiguous(), pos_of = row_pos.to(torch::kLong).contiguous();
+                     const torch::Tensor& row_seq, const torch::Tensor& row_pos, int64_t num_pages, int64_t page_size,
+                     int64_t kv_heads, int64_t window, double scale) {
+  const Indices in = check_indices(block_table, first_pos, row_seq, row_pos, q.size(0), num_pages, page_size);
+  const torch::Tensor &table = in.table, &first = in.first, &seq_of = in.seq_of, &pos_of = in.pos_of;
   auto out = torch::empty_like(q);
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), group = H / kv_heads;
   const Problem<Pages> problem{pages, q.data_ptr<float>(), table.data_ptr<int64_t>(), first.data_ptr<int64_t>(),
@@ -434,7 +471,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Ten
                               torch::Tensor first_pos, torch::Tensor row_seq, torch::Tensor row_pos, int64_t window,
                               double scale) {
   const bool half = k_pages.scalar_type() == torch::kHalf;
-  TORCH_CHECK(k_pages.dim() == 4 && (half || k_pages.scalar_type() == torch::kFloat32) && v_pages.scalar_type() == k_pages.scalar_type() &&
+  TORCH_CHECK(k_pages.device().is_cpu() && v_pages.device().is_cpu() && k_pages.dim() == 4 &&
+              (half || k_pages.scalar_type() == torch::kFloat32) && v_pages.scalar_type() == k_pages.scalar_type() &&
               v_pages.sizes() == k_pages.sizes() && v_pages.strides() == k_pages.strides(),
               "k_pages, v_pages: float32 or float16 [P, page_size, kv_heads, D], same dtype and strides");
   const int64_t page_size = k_pages.size(1), kv_heads = k_pages.size(2), D = check_query(q, page_size, kv_heads);
@@ -442,10 +480,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Ten
   TORCH_CHECK(k_pages.stride(3) == 1 && k_pages.stride(2) == D && k_pages.stride(1) == kv_heads * D, "pages must be contiguous inside");
   if (half) {
     const RawPages<at::Half> pages{k_pages.data_ptr<at::Half>(), v_pages.data_ptr<at::Half>(), k_pages.stride(0), kv_heads, D};
-    return attend(pages, q, block_table, first_pos, row_seq, row_pos, page_size, kv_heads, window, scale);
+    return attend(pages, q, block_table, first_pos, row_seq, row_pos, k_pages.size(0), page_size, kv_heads, window, scale);
   }
   const RawPages<float> pages{k_pages.data_ptr<float>(), v_pages.data_ptr<float>(), k_pages.stride(0), kv_heads, D};
-  return attend(pages, q, block_table, first_pos, row_seq, row_pos, page_size, kv_heads, window, scale);
+  return attend(pages, q, block_table, first_pos, row_seq, row_pos, k_pages.size(0), page_size, kv_heads, window, scale);
 }
 
 // One side's codes, scales and zeros checked against the format its codes' dtype names.
@@ -479,5 +517,5 @@ torch::Tensor paged_attention_coded(torch::Tensor q, torch::Tensor k_codes, torc
   const int64_t D = check_query(q, page_size, kv_heads);
   const CodedPages coded{coded_side(k_codes, k_scales, k_zeros, "k", pages, page_size, kv_heads, D),
                          coded_side(v_codes, v_scales, v_zeros, "v", pages, page_size, kv_heads, D), page_size, kv_heads, D};
-  return attend(coded, q, block_table, first_pos, row_seq, row_pos, page_size, kv_heads, window, scale);
+  return attend(coded, q, block_table, first_pos, row_seq, row_pos, pages, page_size, kv_heads, window, scale);
 }

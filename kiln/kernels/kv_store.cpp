@@ -2,11 +2,10 @@
 // formats).
 //
 // Why: the codec's torch encoding is some twenty small tensor operations per layer and side, which cost a
-// decode step more than the attention itself on a small model (a fifth of the step at 1k tokens of
-// history). This makes the same float32 operations in the same order, rounding included (scales to float16
+// small model's decode step more than the attention itself. This makes the same float32 operations in the same order, rounding included (scales to float16
 // round to nearest even, codes round half to even), so its bytes equal the torch encoding's.
 //
-// Raw pages go through here too: two index_put calls per layer cost a decode step 0.5 ms.
+// Raw pages go through here too: one call instead of two index_put calls per layer.
 //
 // Layout: x [N, kv_heads, D] float32 rows; codes a view [P, page_size, kv_heads, D] float32 or float16 (raw:
 // rows copied as they are, or rounded to nearest even as torch's .half() does; scales and zeros empty),
@@ -17,6 +16,9 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include "checks.h"
+#include "kernels.h"
+#include "page_format.h"
 #include "pool.h"
 #include <algorithm>
 #include <cmath>
@@ -24,7 +26,9 @@
 
 namespace {
 
-constexpr float kTinyScale = 5.9604645e-08f;  // 2^-24, the smallest float16 above zero (codec.py's floor)
+using kiln::page_format::kInt4Max;
+using kiln::page_format::kInt8Max;
+using kiln::page_format::kTinyScale;
 
 inline float to_half_and_back(float x, at::Half* out) {
   const uint16_t bits = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
@@ -44,9 +48,10 @@ void encode_8bit(const float* x, int64_t D, int64_t group, int8_t* codes, at::Ha
   for (int64_t begin = 0, g = 0; begin < D; begin += group, ++g) {
     float top = 0.0f;
     for (int64_t d = begin; d < begin + group; ++d) top = std::max(top, std::fabs(x[d]));
-    const float scale = to_half_and_back(std::max(top / 127.0f, kTinyScale), &scales[g]);
+    const float top_code = static_cast<float>(kInt8Max);
+    const float scale = to_half_and_back(std::max(top / top_code, kTinyScale), &scales[g]);
     for (int64_t d = begin; d < begin + group; ++d)
-      codes[d] = static_cast<int8_t>(std::clamp(std::nearbyint(x[d] / scale), -127.0f, 127.0f));
+      codes[d] = static_cast<int8_t>(std::clamp(std::nearbyint(x[d] / scale), -top_code, top_code));
   }
 }
 
@@ -55,9 +60,10 @@ void encode_4bit(const float* x, int64_t D, int64_t group, uint8_t* codes, at::H
     float low = x[begin], high = x[begin];
     for (int64_t d = begin; d < begin + group; ++d) low = std::min(low, x[d]), high = std::max(high, x[d]);
     const float zero = to_half_and_back(low, &zeros[g]);
-    const float scale = to_half_and_back(std::max((high - zero) / 15.0f, kTinyScale), &scales[g]);
+    const float top_code = static_cast<float>(kInt4Max);
+    const float scale = to_half_and_back(std::max((high - zero) / top_code, kTinyScale), &scales[g]);
     for (int64_t d = begin; d < begin + group; d += 2) {
-      const auto code = [&](int64_t c) { return static_cast<uint8_t>(std::clamp(std::nearbyint((x[c] - zero) / scale), 0.0f, 15.0f)); };
+      const auto code = [&](int64_t c) { return static_cast<uint8_t>(std::clamp(std::nearbyint((x[c] - zero) / scale), 0.0f, top_code)); };
       codes[d / 2] = static_cast<uint8_t>(code(d) | (code(d + 1) << 4));
     }
   }
@@ -67,7 +73,9 @@ void encode_4bit(const float* x, int64_t D, int64_t group, uint8_t* codes, at::H
 
 void store_kv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, torch::Tensor pages,
               torch::Tensor offsets) {
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x: contiguous float32 [N, kv_heads, D]");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
+              "x: contiguous float32 CPU tensor [N, kv_heads, D]");
+  TORCH_CHECK(codes.device().is_cpu(), "codes: a CPU tensor");
   const bool half = codes.scalar_type() == torch::kHalf, raw = half || codes.scalar_type() == torch::kFloat32;
   const bool four = codes.scalar_type() == torch::kUInt8;
   TORCH_CHECK(raw || four || codes.scalar_type() == torch::kInt8,
@@ -76,16 +84,17 @@ void store_kv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch:
   TORCH_CHECK(codes.dim() == 4 && codes.size(2) == kv_heads && codes.size(3) == (four ? D / 2 : D) && codes.stride(3) == 1 &&
               codes.stride(2) == codes.size(3) && codes.stride(1) == kv_heads * codes.size(3), "codes: [P, page_size, kv_heads, D or D / 2], contiguous inside a page");
   TORCH_CHECK(raw || (scales.scalar_type() == torch::kHalf && scales.dim() == 4 && groups > 0 && D % groups == 0 && (D / groups) % 2 == 0 &&
+              scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) && scales.size(2) == kv_heads &&
               scales.stride(3) == 1 && scales.stride(2) == groups && scales.stride(1) == kv_heads * groups),
-              "scales: float16 [P, page_size, kv_heads, G], contiguous inside a page");
+              "scales: float16 [P, page_size, kv_heads, G] like the codes' pages, contiguous inside a page");
   TORCH_CHECK(!four || (zeros.sizes() == scales.sizes() && zeros.strides() == scales.strides() && zeros.scalar_type() == torch::kHalf),
               "zeros: float16 like the scales (4-bit codes)");
-  auto page_of = pages.to(torch::kLong).contiguous(), offset_of = offsets.to(torch::kLong).contiguous();
+  const auto page_of = kiln::index_tensor(pages, "pages", 1), offset_of = kiln::index_tensor(offsets, "offsets", 1);
   TORCH_CHECK(page_of.numel() == N && offset_of.numel() == N, "pages, offsets: one per row");
   const int64_t* page = page_of.data_ptr<int64_t>();
   const int64_t* offset = offset_of.data_ptr<int64_t>();
-  for (int64_t n = 0; n < N; ++n)
-    TORCH_CHECK(page[n] >= 0 && page[n] < codes.size(0) && offset[n] >= 0 && offset[n] < codes.size(1), "row ", n, " lies outside the pages");
+  kiln::check_range(page, N, 0, codes.size(0), "pages");
+  kiln::check_range(offset, N, 0, codes.size(1), "offsets");
   const float* xp = x.data_ptr<float>();
   auto* code_base = static_cast<uint8_t*>(codes.data_ptr());
   const int64_t code_bytes = codes.element_size();

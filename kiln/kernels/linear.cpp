@@ -19,13 +19,12 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
 #include "pool.h"
 #include "vec_math.h"
 
 #include <algorithm>
 #include <limits>
-#include <string>
-#include <tuple>
 #include <vector>
 
 namespace {
@@ -34,12 +33,11 @@ namespace {
 // their 8 values one after another (element (n, k) at ((n / 8) * K + k) * 8 + (n % 8) * 8 + k % 8). One
 // decode tile reads a whole block, and so one contiguous stream, 8 rows x 8 values (one cache line of
 // int8) per step of k. Row-major rows instead made each tile read 4-8 separate streams, which the
-// hardware prefetcher follows poorly: on the 2-core machines here the embedded model's LM head took
-// 13.8 ms (row-major, 4 rows a tile) against 7.4 ms packed (int8, one input row), the read bandwidth
-// limit being 5.8 ms (bench/kernels.py). quant.py packs once, at quantisation.
+// hardware prefetcher follows poorly (bench/README.md gives the LM head's times both ways; bench/kernels.py
+// measures them). quant.py packs once, at quantisation.
 constexpr int64_t kBlock = 8;
-// Software prefetch distance in the block's stream: 2 KiB ahead measured best (1 KiB: 7-15 % slower on the
-// small matrices; none: 20-25 % slower).
+// Software prefetch distance in the block's stream: 2 KiB ahead was the fastest of the distances tried
+// (shorter ones, and none, were slower on the small matrices).
 constexpr int64_t kPrefetchBytes = 2048;
 
 // The packed weights of one format; `at(n, k)` points at row n's values k..k+7 (k a multiple of 8).
@@ -60,7 +58,7 @@ struct Packed {
 // all the tile's inputs. Both counts are compile-time constants, so the accumulators stay in registers.
 // Outputs at n >= N (a partial last block's zero rows) are computed and not stored. Never inlined: inlined
 // into the block loop next to its other shapes, the 4 x 2 tile lost its registers to the compiler's
-// allocation there and ran 1.3-2x slower (LM head at 4 rows: 25-33 ms against 16-19).
+// allocation there and ran much slower.
 template <int64_t inputs, int64_t rows>
 __attribute__((noinline)) void tile(const Packed<float>& W, const float* x, float* y, const float* bias, int64_t N, int64_t K,
                                     int64_t m0, int64_t n0) {
@@ -85,9 +83,8 @@ __attribute__((noinline)) void tile(const Packed<float>& W, const float* x, floa
 
 // All the inputs against the block of rows n0..: groups of 4 inputs x 2 rows, the last 2 or 3 inputs x 4
 // rows, a lone input (x 8 rows) only when it is the only one. A lone input after a group costs about as
-// much as a whole group, hence 5 = 3 + 2 (measured when this path also served int8 weights, widened to
-// float32 in registers: LM head at 2 / 4 / 16 rows 10.4 / 14.9 / 49.5 ms against 41.9 / 30.4 / 62.9 for
-// widening each block into a float32 buffer first and tiling 3 inputs x 4 rows from it).
+// much as a whole group, hence 5 = 3 + 2. Tiling from registers beat widening each block into a float32
+// buffer first at every row count tried.
 inline void tiles(const Packed<float>& W, const float* x, float* y, const float* bias, int64_t N, int64_t K, int64_t M, int64_t n0) {
   if (M == 1) {
     tile<1, kBlock>(W, x, y, bias, N, K, 0, n0);
@@ -110,10 +107,9 @@ inline void tiles(const Packed<float>& W, const float* x, float* y, const float*
 // (s = max|x| / levels), and y = (sum_k q[k] * w[n, k]) * s * scale[n]. The sum is exact in int32, so its
 // order is free: the result depends on the row alone, never on its batch (INV-3). One _mm256_madd_epi16
 // multiplies 16 int16 pairs (an FMA: 8 floats) and widening int8 to int16 is one instruction per 16
-// weights (into float32: two per 8). Measured on the embedded model's projections against the kernel this
-// replaced (int8 widened to float32, FMA): 1.5-1.9x faster from 4 rows up (LM head at 8 rows 22.6 against
-// 13.4 ms, 16 rows 42.8 against 25.2), about equal at one row, where reading the weights is the bound;
-// and faster than widening the weights once for BLAS at every prefill size tried (up to 512 rows).
+// weights (into float32: two per 8). Against the kernel this replaced (int8 widened to float32, FMA) it is
+// faster from a few rows up and equal at one row, where reading the weights is the bound; and faster than
+// widening the weights once for BLAS at every prefill size tried (bench/README.md has the figures).
 //
 // Levels: as many as int16 holds, as long as the int32 sum of K products of at most 127 * levels cannot
 // overflow: 26,420 for K = 640, 8,256 for K = 2048. The quantisation step, max|x| / levels, stays far below
@@ -169,9 +165,8 @@ inline __m256i row_sums(const __m256i* acc) {
 // acc + madd(w, x), as one unit the compiler cannot split. Written with intrinsics, GCC issued every
 // input's multiply-add before any add, which needs a scratch register per input: with the tile's
 // accumulators, inputs and weights already in the 16 registers, it spilled an accumulator to the stack and
-// copied the others back each step. Measured on a 4 x 2 tile with its weights in cache: 61-64 against
-// 73-75 G multiply-adds/s per core this way (3 x 2: 55-58 against 73), the loop of bare multiply-adds and
-// adds with no loads reaching 83.
+// copied the others back each step. As one asm unit, a tile with its weights in cache comes close to the
+// rate of a loop of bare multiply-adds and adds.
 inline __m256i madd_accumulate(__m256i acc, __m256i w, __m256i x) {
   __m256i products;
   asm("vpmaddwd %[x], %[w], %[products]\n\tvpaddd %[products], %[acc], %[acc]"
@@ -201,8 +196,7 @@ __attribute__((noinline)) void int8_tile(const Packed<int8_t>& W, const float* w
       for (int64_t i = 0; i < inputs; ++i) acc[i][p] = madd_accumulate(acc[i][p], wv, xv[i]);
     }
   }
-  // Masked loads and stores only for a partial last block: they cost several times plain ones on AMD (the
-  // LM head at one row: 6.5 against 5.9 ms).
+  // Masked loads and stores only for a partial last block: they cost several times plain ones on AMD.
   const int64_t count = std::min<int64_t>(2 * pairs, N - n0);
   const bool whole = count == 2 * pairs;
   const __m256i valid = kiln::first_lanes(count);
@@ -290,7 +284,7 @@ torch::Tensor run_f32(const Packed<float>& W, const torch::Tensor& x, const c10:
 
 // Checks that w is packed weights [ceil(N / 8), K / 8, 8, 8] (see kBlock) and returns K.
 int64_t check_packed(const torch::Tensor& w, int64_t N) {
-  TORCH_CHECK(w.is_contiguous() && w.dim() == 4 && w.size(0) == (N + kBlock - 1) / kBlock && w.size(2) == kBlock &&
+  TORCH_CHECK(w.device().is_cpu() && w.is_contiguous() && w.dim() == 4 && w.size(0) == (N + kBlock - 1) / kBlock && w.size(2) == kBlock &&
               w.size(3) == 8, "w must be packed weights [ceil(N / 8), K / 8, 8, 8] for N = ", N);
   return w.size(1) * 8;
 }
@@ -300,7 +294,7 @@ void check_input(const torch::Tensor& x, const torch::Tensor& w, const c10::opti
   const int64_t K = check_packed(w, N);
   TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
   if (bias.has_value())
-    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == torch::kFloat32 && bias->numel() == N,
+    TORCH_CHECK(bias->device().is_cpu() && bias->is_contiguous() && bias->scalar_type() == torch::kFloat32 && bias->numel() == N,
                 "bias must be a contiguous float32 tensor of ", N, " values");
 }
 
@@ -326,7 +320,7 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::
 
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(w.scalar_type() == torch::kInt8, "w: packed int8");
-  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32, "scale: contiguous float32 [N]");
+  TORCH_CHECK(scale.device().is_cpu() && scale.is_contiguous() && scale.scalar_type() == torch::kFloat32, "scale: contiguous float32 [N]");
   check_input(x, w, bias, scale.numel());
   TORCH_CHECK(activation_levels(x.size(-1)) >= 127, "int8 inputs of ", x.size(-1), " features leave too few int16 levels");
   return run_int8(Packed<int8_t>{w.data_ptr<int8_t>(), x.size(-1)}, scale.data_ptr<float>(), x, bias, scale.numel());
@@ -336,47 +330,15 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
 // scales, else none) and returns it.
 torch::Tensor unpack(torch::Tensor w, c10::optional<torch::Tensor> scale, int64_t N, torch::Tensor out) {
   const int64_t K = check_packed(w, N);
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == torch::kFloat32 && out.numel() == N * K, "out: contiguous float32 [N, K]");
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == torch::kFloat32 && out.numel() == N * K, "out: contiguous float32 [N, K]");
   const bool int8 = w.scalar_type() == torch::kInt8;
   TORCH_CHECK(int8 == scale.has_value() && (int8 || w.scalar_type() == torch::kFloat32), "int8 weights take scales, float32 none");
+  TORCH_CHECK(!int8 || (scale->device().is_cpu() && scale->is_contiguous() && scale->scalar_type() == torch::kFloat32 &&
+                        scale->numel() == N), "scale: contiguous float32 [N]");
   float* op = out.data_ptr<float>();
   kiln::SpinPool::run(N, 64, [&](int64_t begin, int64_t end) {
     if (int8) unpack_rows(Packed<int8_t>{w.data_ptr<int8_t>(), K}, scale->data_ptr<float>(), begin, end, op);
     else unpack_rows(Packed<float>{w.data_ptr<float>(), K}, nullptr, begin, end, op);
   });
   return out;
-}
-
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor block_table,
-                              torch::Tensor first_pos, torch::Tensor row_seq, torch::Tensor row_pos, int64_t window,
-                              double scale);  // attention.cpp
-torch::Tensor paged_attention_coded(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_scales, torch::Tensor k_zeros,
-                                    torch::Tensor v_codes, torch::Tensor v_scales, torch::Tensor v_zeros,
-                                    torch::Tensor block_table, torch::Tensor first_pos, torch::Tensor row_seq,
-                                    torch::Tensor row_pos, int64_t window, double scale);  // attention.cpp
-
-void store_kv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, torch::Tensor pages,
-              torch::Tensor offsets);  // kv_store.cpp
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps, double offset);  // norms.cpp
-std::tuple<torch::Tensor, torch::Tensor> residual_norm(torch::Tensor x, torch::Tensor y, c10::optional<torch::Tensor> y_weight,
-                                                       double y_eps, double y_offset, c10::optional<torch::Tensor> out_weight,
-                                                       double out_eps, double out_offset);  // norms.cpp
-torch::Tensor gated_activation(torch::Tensor gate_up, const std::string& activation);  // activations.cpp
-torch::Tensor argmax_rows(torch::Tensor logits);  // argmax.cpp
-std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(torch::Tensor qkv, c10::optional<torch::Tensor> norm_weight,
-                                                      double eps, double offset, torch::Tensor cos, torch::Tensor sin,
-                                                      int64_t heads);  // norms.cpp
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "fused RMSNorm (norms.cpp)");
-  m.def("residual_norm", &residual_norm, "residual add of a (normed) sublayer output, and its norm (norms.cpp)");
-  m.def("gated_activation", &gated_activation, "act(gate) * up of a fused gate/up projection (activations.cpp)");
-  m.def("argmax_rows", &argmax_rows, "each row's torch.argmax (argmax.cpp)");
-  m.def("qk_norm_rope", &qk_norm_rope, "fused q/k head norms and rotary embedding (norms.cpp)");
-  m.def("paged_attention", &paged_attention, "batch-invariant paged attention (attention.cpp)");
-  m.def("paged_attention_coded", &paged_attention_coded, "paged attention over 8-bit / 4-bit coded pages (attention.cpp)");
-  m.def("store_kv", &store_kv, "new K/V rows stored into raw or coded pages (kv_store.cpp)");
-  m.def("linear_f32", &linear_f32, "batch-invariant float32 linear (packed weights)");
-  m.def("unpack", &unpack, "packed weights -> row-major float32");
-  m.def("linear_int8", &linear_int8, "weight-only int8 linear (packed weights, per-row scales)");
 }

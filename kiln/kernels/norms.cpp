@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "kernels.h"
 #include "pool.h"
 #include <algorithm>
 #include <cmath>

@@ -2,13 +2,18 @@
 //
 // Why not OpenMP (at::parallel_for): libgomp keeps one thread team per thread that starts parallel regions.
 // Once a second thread has one (the engine thread runs the model; the main thread loaded it), it counts more
-// threads than CPUs and its barriers stop spinning and sleep at once, so every region pays a futex wake-up.
-// Measured on the 2-core machines here: 18 int8 gate/up projections took 4.2 ms on a thread started after
-// the main thread had run one parallel op, against 1.6 ms otherwise. This pool's workers spin for a while
-// after each job (kSpin), so the next one of the same step starts at once, then sleep.
+// threads than CPUs and its barriers stop spinning and sleep at once, so every region pays a futex wake-up
+// (bench/kernels.py shows the cost). This pool's workers spin for a short, bounded while after each job
+// (kSpin), so the next job of the same step starts at once, then sleep on a condition variable.
 //
-// One job at a time: a caller that finds the pool busy (another engine in the process) runs its job on its
-// own thread, which gives the same results (a job's tasks never depend on which thread runs them).
+// Spinning is bounded on both sides: workers spin at most kSpin for the next job, and the caller spins at
+// most kSpin for the workers to finish a job before it too sleeps until the last one wakes it. A descheduled
+// worker (the machine busy with other processes, or another Python thread running while a kernel has
+// released the GIL) then costs the caller a wake-up instead of a core burnt spinning.
+//
+// One job at a time: a caller that finds the pool busy (another thread calling a kernel meanwhile, another
+// engine in the process) runs its job on its own thread, which gives the same results (a job's tasks never
+// depend on which thread runs them).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -86,7 +91,21 @@ class SpinPool {
     }
     wake_.notify_all();
     job(0, tasks / threads);
-    while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+    wait_for_workers();
+  }
+
+  // Returns once every worker has acknowledged the job: spinning for up to kSpin, then asleep until the
+  // last one's notify (it takes `done_lock_` first, so the wake-up cannot fall between the check and the wait).
+  void wait_for_workers() {
+    const auto deadline = std::chrono::steady_clock::now() + kSpin;
+    while (pending_.load(std::memory_order_acquire) != 0) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        std::unique_lock<std::mutex> lock(done_lock_);
+        done_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
+        return;
+      }
+      _mm_pause();
+    }
   }
 
   void work(int64_t index, uint64_t seen) {
@@ -107,7 +126,10 @@ class SpinPool {
         const int64_t begin = tasks_ * index / threads_, end = tasks_ * (index + 1) / threads_;
         if (begin < end) (*job_)(begin, end);
       }
-      pending_.fetch_sub(1, std::memory_order_acq_rel);
+      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard<std::mutex> lock(done_lock_);
+        done_.notify_one();
+      }
     }
   }
 
@@ -115,6 +137,8 @@ class SpinPool {
   std::mutex busy_;
   std::mutex sleep_;
   std::condition_variable wake_;
+  std::mutex done_lock_;
+  std::condition_variable done_;
   std::atomic<uint64_t> generation_{0};
   std::atomic<int64_t> pending_{0};
   const Job* job_ = nullptr;

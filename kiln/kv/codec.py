@@ -33,12 +33,11 @@ import torch
 
 from kiln.errors import InvalidArgumentError
 from kiln.kv.layout import KVLayout
+from kiln.kv.page_format import GROUP, INT4_MAX, INT8_MAX, TINY_SCALE
 
 CODECS = ("none", "int8", "int4")
-GROUP = 32  # channels one scale covers (KIVI's group size)
 FORMATS = {"none": (0, 0), "int8": (8, 8), "int4": (8, 4)}  # (key bits, value bits); 0 = the KV dtype as is
 _NONE = torch.empty(0, dtype=torch.float16)  # what the kernels take for scales of raw pages, zeros of 8-bit codes
-_TINY = 2**-24  # floor for a scale, the smallest float16 above zero: an all-zero group encodes to zeros, not NaN
 
 
 @dataclass(frozen=True)
@@ -132,12 +131,12 @@ class KVCodec:
             return Segment(x.to(self.dtype), None, None)
         grouped = x.float().unflatten(-1, (-1, self.group))
         if bits == 8:
-            scale = (grouped.abs().amax(dim=-1, keepdim=True) / 127).clamp_min(_TINY).half()
-            codes = torch.round(grouped / scale.float()).clamp_(-127, 127).to(torch.int8)
+            scale = (grouped.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp_min(TINY_SCALE).half()
+            codes = torch.round(grouped / scale.float()).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
             return Segment(codes.flatten(-2), scale.squeeze(-1), None)
         low = grouped.amin(dim=-1, keepdim=True).half()
-        scale = ((grouped.amax(dim=-1, keepdim=True) - low.float()) / 15).clamp_min(_TINY).half()
-        codes = torch.round((grouped - low.float()) / scale.float()).clamp_(0, 15).to(torch.uint8).flatten(-2)
+        scale = ((grouped.amax(dim=-1, keepdim=True) - low.float()) / INT4_MAX).clamp_min(TINY_SCALE).half()
+        codes = torch.round((grouped - low.float()) / scale.float()).clamp_(0, INT4_MAX).to(torch.uint8).flatten(-2)
         return Segment(codes[..., 0::2] | (codes[..., 1::2] << 4), scale.squeeze(-1), low.squeeze(-1))
 
     def dequantize(self, coded: Segment, out: torch.Tensor) -> torch.Tensor:
@@ -207,8 +206,8 @@ class KVCodec:
         grouped = segment.float().unflatten(-1, (-1, self.group))
         top = grouped.abs().amax(dim=-1, keepdim=True)
         if bits == 8:
-            step = top / 127
+            step = top / INT8_MAX
         else:
-            step = (grouped.amax(dim=-1, keepdim=True) - grouped.amin(dim=-1, keepdim=True)) / 15
+            step = (grouped.amax(dim=-1, keepdim=True) - grouped.amin(dim=-1, keepdim=True)) / INT4_MAX
         bound = step * (0.5 + 2**-9) + top * 2**-9
         return (bound + torch.zeros_like(grouped)).flatten(-2)

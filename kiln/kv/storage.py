@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from kiln.kv.codec import KVCodec, Segment
-from kiln.kv.layout import KVLayout
 from kiln.kernels import kernels
 from kiln.kernels import supported as kernels_supported
-
-# What the C++ kernels read and write (kv_store.cpp, attention.cpp): raw pages of these dtypes, and every
-# codec's codes, which decode to float32.
-KERNEL_DTYPES = (torch.float32, torch.float16)
+from kiln.kv.codec import KVCodec, Segment
+from kiln.kv.layout import KVLayout
+from kiln.kv.page_format import KERNEL_DTYPES
 
 
 class PageStorage:

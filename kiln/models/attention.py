@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels import kernels
+from kiln.kv.page_format import CHUNK_TOKENS
 from kiln.models.streamed_attention import streamed_attention
 
 if TYPE_CHECKING:  # kiln.kv imports the model config, hence this package
@@ -27,7 +28,6 @@ if TYPE_CHECKING:  # kiln.kv imports the model config, hence this package
 # 609 ms at L 800, 746 vs 718 at 3k; and 8 agents' turns, where a step mixes decode rows with appends:
 # 242 vs 116 ms a step. Decode alone: 0.2 vs 0.4 ms at 512 tokens of history.
 IN_PLACE_MAX_ROWS = 64
-KERNEL_CHUNK_TOKENS = 256  # kChunkTokens of kernels/attention.cpp: it keeps a partial state per row per chunk
 
 
 @dataclass
@@ -95,7 +95,7 @@ def _in_place_attention(q: torch.Tensor, layer: int, kv: KVStep, scale: float) -
     k, v, group, window = kv.pages(layer)
     tail = (group.block_table, group.first_pos, kv.row_seq, kv.row_pos, window or 0, scale)
     query = q.float().contiguous()
-    chunks = kv.last_position // KERNEL_CHUNK_TOKENS + 1
+    chunks = kv.last_position // CHUNK_TOKENS + 1  # the kernel keeps a partial state per row per chunk
     kv.note_bytes(query.numel() * query.element_size() * chunks)  # its partial softmax states, at most
     if k.scales is None:
         return kernels().paged_attention(query, k.codes, v.codes, *tail)

@@ -207,13 +207,6 @@ def test_kv_pages_are_float16_with_quantised_weights_and_exact_without() -> None
         EngineConfig(kv_dtype="float8")
 
 
-def test_without_a_compiler_auto_is_exact_and_deterministic_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CXX", "no-such-c++-compiler")
-    assert EngineConfig().quantization is None
-    with pytest.raises(InvalidArgumentError, match="deterministic needs"):
-        EngineConfig(deterministic=True)
-
-
 def test_bad_names_and_combinations_are_refused_before_loading() -> None:
     with pytest.raises(InvalidArgumentError, match=r"quantization must be one of \['auto', 'int8'\] or None, got 'int4'"):
         EngineConfig(quantization="int4")

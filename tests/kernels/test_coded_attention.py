@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 
-from kiln.kv.step import NO_POSITION
+from kiln.errors import InvariantViolation
 from kiln.kernels import kernels, supported
+from kiln.kv.step import NO_POSITION
 
 pytestmark = pytest.mark.skipif(not supported(), reason="Kiln's CPU kernels need AVX2 and a C++ compiler")
 
@@ -151,25 +152,25 @@ def test_bad_inputs_are_refused() -> None:
     def attend(*pages, query=q):
         return call(query, *pages, table, first, row_seq, row_pos, 0, 0.125)
 
-    with pytest.raises(RuntimeError, match="k_codes: int8 .8-bit codes. or uint8"):
+    with pytest.raises(InvariantViolation, match="k_codes: int8 .8-bit codes. or uint8"):
         attend(k_codes.float(), k_scales, k_zeros, v_codes, v_scales, v_zeros)
-    with pytest.raises(RuntimeError, match="k_codes: expected"):  # 8-bit codes need head_dim bytes, not half
+    with pytest.raises(InvariantViolation, match="k_codes: expected"):  # 8-bit codes need head_dim bytes, not half
         attend(k_codes.view(torch.int8), k_scales, torch.empty(0, dtype=torch.float16), v_codes, v_scales, v_zeros)
-    with pytest.raises(RuntimeError, match="v_scales: expected Half"):
+    with pytest.raises(InvariantViolation, match="v_scales: expected a CPU tensor of Half"):
         attend(k_codes, k_scales, k_zeros, v_codes, v_scales.float(), v_zeros)
-    with pytest.raises(RuntimeError, match="k_codes: expected"):  # head_dim 128 needs 64 code bytes
+    with pytest.raises(InvariantViolation, match="k_codes: expected"):  # head_dim 128 needs 64 code bytes
         attend(k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros, query=torch.randn(1, 4, 128))
-    with pytest.raises(RuntimeError, match="v_zeros: expected"):
+    with pytest.raises(InvariantViolation, match="v_zeros: expected"):
         attend(k_codes, k_scales, k_zeros, v_codes, v_scales, torch.empty(0, dtype=torch.float16))
-    with pytest.raises(RuntimeError, match="group a multiple of 8"):  # groups of 4 channels
+    with pytest.raises(InvariantViolation, match="group a multiple of 8"):  # groups of 4 channels
         attend(k_codes, torch.ones(4, 16, 2, 16, dtype=torch.float16), k_zeros, v_codes, v_scales, v_zeros)
-    with pytest.raises(RuntimeError, match="contiguous inside a page"):
+    with pytest.raises(InvariantViolation, match="contiguous inside a page"):
         attend(k_codes, k_scales, k_zeros, v_codes.transpose(1, 2).contiguous().transpose(1, 2), v_scales, v_zeros)
     raw = kernels().paged_attention
-    with pytest.raises(RuntimeError, match="float32 or float16 .P, page_size, kv_heads, D., same dtype"):
+    with pytest.raises(InvariantViolation, match="float32 or float16 .P, page_size, kv_heads, D., same dtype"):
         raw(q, torch.zeros(4, 16, 2, 64, dtype=torch.half), torch.zeros(4, 16, 2, 64), table, first, row_seq, row_pos, 0, 0.125)
-    with pytest.raises(RuntimeError, match="float32 or float16"):
+    with pytest.raises(InvariantViolation, match="float32 or float16"):
         raw(q, *(torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2)), table, first, row_seq, row_pos, 0, 0.125)
     int8 = CodedPool(4, 16, 2, 64, (8, 8), 64, seed=0)
-    with pytest.raises(RuntimeError, match="zeros must be empty"):
+    with pytest.raises(InvariantViolation, match="zeros must be empty"):
         attend(*int8.coded_args()[:2], int8.views["k_scales"], *int8.coded_args()[3:])

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.engine.sampler import argmax
+from kiln.errors import InvariantViolation
 from kiln.kernels import kernels, supported
 from kiln.models.layers import RMSNorm, add_normed
 
@@ -53,9 +54,9 @@ def test_each_norm_keeps_its_own_eps_and_offset():
 
 
 def test_residual_norm_refuses_mismatched_inputs():
-    with pytest.raises(RuntimeError, match="same shape"):
+    with pytest.raises(InvariantViolation, match="same shape"):
         kernels().residual_norm(torch.randn(2, 64), torch.randn(3, 64), None, 0.0, 0.0, None, 0.0, 0.0)
-    with pytest.raises(RuntimeError, match="features"):
+    with pytest.raises(InvariantViolation, match="features"):
         kernels().residual_norm(torch.randn(2, 64), torch.randn(2, 64), torch.ones(32), 1e-6, 0.0, None, 0.0, 0.0)
 
 
@@ -76,7 +77,7 @@ def test_gated_activation_matches_torch(activation, reference, width):
 
 
 def test_gated_activation_refuses_unknown_activations():
-    with pytest.raises(RuntimeError, match="activation"):
+    with pytest.raises(InvariantViolation, match="activation"):
         kernels().gated_activation(torch.randn(2, 16), "relu")
 
 
@@ -98,5 +99,5 @@ def test_argmax_is_torchs(vocab):
 def test_argmax_of_a_strided_view_and_bad_input():
     logits = torch.randn(4, 300)[:, 7:290]
     assert torch.equal(kernels().argmax_rows(logits), logits.argmax(dim=-1))
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(InvariantViolation, match="float32"):
         kernels().argmax_rows(torch.zeros(2, 8, dtype=torch.float64))
