@@ -17,6 +17,8 @@ from kiln.snapshots.commands import add_parser as add_snapshot_parser
 from kiln.snapshots.store import default_directory
 from kiln.text import TextDeltas
 
+EXIT_ENGINE_FAILED = 70  # sysexits' EX_SOFTWARE: an internal error; a supervisor restarts the server
+
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags mirroring EngineConfig (unset flags keep its defaults)."""
@@ -54,6 +56,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--snapshot-dir", default=None, help="persist sessions and snapshots in this directory")
     parser.add_argument("--snapshot-store", default=None,
                         help="persist them in this store instead: redis://host:port/db (shared by several servers)")
+    parser.add_argument("--durable-turns", action="store_true", default=None,
+                        help="send a turn's finish only once the turn is saved (no acknowledged turn lost to a crash)")
 
 
 def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
@@ -83,6 +87,7 @@ def _llm(args: argparse.Namespace) -> LLM:
             "kv_disk_budget_mb", "kv_stream_chunk_tokens")},
         "snapshot_dir": args.snapshot_dir,
         "snapshot_store": args.snapshot_store,
+        "durable_turns": args.durable_turns,
     }
     if args.kv_budget_mb:
         options["kv_budget_bytes"] = args.kv_budget_mb * 1024**2
@@ -169,8 +174,10 @@ def _turn_stats(result: object, history: int) -> str:
             f"history {history} tokens]")
 
 
-def cmd_serve(args: argparse.Namespace) -> None:
-    from kiln.server.app import ServeOptions, api_keys_for, serve
+def cmd_serve(args: argparse.Namespace) -> int:
+    """0 after a graceful shutdown; EXIT_ENGINE_FAILED when the engine died, for a supervisor to
+    restart the server (a refused configuration is a KilnError: 2, not worth restarting)."""
+    from kiln.server.app import EngineFailedError, ServeOptions, api_keys_for, serve
 
     options = ServeOptions(
         host=args.host, grpc_port=args.grpc_port, http_port=args.http_port, api_keys=tuple(args.api_key),
@@ -184,7 +191,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     elif not args.snapshot_store and not args.snapshot_dir:
         args.snapshot_dir = str(default_directory())  # a server persists sessions unless told not to
     with _llm(args) as llm:
-        serve(llm, options)
+        try:
+            serve(llm, options)
+        except EngineFailedError as error:
+            print(f"kiln: {error.code}: {error}; exiting with status {EXIT_ENGINE_FAILED}", file=sys.stderr)
+            return EXIT_ENGINE_FAILED
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,13 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     add_snapshot_parser(commands)
     args = parser.parse_args(argv)
     try:
-        args.run(args)
+        status = args.run(args)
     except KilnError as error:
         print(f"kiln: {error.code}: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

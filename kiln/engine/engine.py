@@ -14,7 +14,7 @@ Every accepted request ends with exactly one finish event. A step that fails fai
 flight and the loop goes on; should failing them fail too, the loop dies: every open request ends with
 an UnavailableError at once, every later call that needs the loop is refused with one, `alive` turns
 False and the failure observers run (`kiln serve` exits non-zero on it, for a supervisor to restart it;
-sessions then come back from their snapshots). See docs/architecture.md, "The engine".
+sessions then come back from their snapshots). See docs/architecture.md § Threads.
 """
 
 from __future__ import annotations

@@ -2,6 +2,10 @@
 
 Shutdown on SIGINT/SIGTERM is graceful: stop admitting (new calls get UNAVAILABLE), let in-flight
 generations finish for a grace period, cancel what is left, stop both servers, release every session.
+
+Should the engine's loop die (kiln/engine/engine.py: its open requests have then ended UNAVAILABLE),
+the server shuts down the same way and `serve` raises EngineFailedError, on which `kiln serve` exits
+non-zero: a supervisor restarts it, and sessions come back from their snapshots.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from dataclasses import dataclass, field
 import uvicorn
 
 from kiln.engine.constraints import compiler_for
-from kiln.errors import InvalidArgumentError
+from kiln.engine.engine import Engine
+from kiln.errors import InvalidArgumentError, UnavailableError
 from kiln.llm import LLM
 from kiln.server.auth import ApiKeys
 from kiln.server.grpc import build_grpc_server
@@ -66,6 +71,22 @@ def api_keys_for(options: ServeOptions) -> ApiKeys:
     return keys
 
 
+class EngineFailedError(UnavailableError):
+    """The engine's loop died while serving; the server shut down. Not retryable in this process."""
+
+
+def stop_on_engine_failure(engine: Engine, stop: asyncio.Event) -> None:
+    """Sets `stop` when the engine's loop dies (at once if it already has). Call it on the loop that
+    awaits `stop`: the dying engine thread hands the signal over to it."""
+    loop = asyncio.get_running_loop()
+
+    def on_failure(error: BaseException) -> None:  # the engine thread
+        with contextlib.suppress(RuntimeError):  # the loop already closed: serve has ended anyway
+            loop.call_soon_threadsafe(stop.set)
+
+    engine.add_failure_observer(on_failure)
+
+
 class _Uvicorn(uvicorn.Server):
     """uvicorn without its own signal handling: the serve loop owns SIGINT/SIGTERM for both servers."""
 
@@ -100,12 +121,15 @@ async def serve_async(llm: LLM, options: ServeOptions) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    stop_on_engine_failure(llm.engine, stop)
     auth = "API keys required" if keys.enabled else "no auth"
     print(f"kiln serve: ready model={model_name} grpc={grpc_address} http=http://{options.host}:{options.http_port} ({auth})",
           file=sys.stderr, flush=True)
     print(try_it(options, keys.enabled), file=sys.stderr, flush=True)
     await stop.wait()
     await _shutdown(llm, service, grpc_server, http, http_task, options.shutdown_grace_s)
+    if (failure := llm.engine.failure) is not None:
+        raise EngineFailedError(f"the engine failed while serving ({type(failure).__name__}: {failure})") from failure
 
 
 def try_it(options: ServeOptions, auth: bool) -> str:
@@ -140,6 +164,8 @@ PY
 async def _shutdown(llm: LLM, service: RuntimeService, grpc_server, http: uvicorn.Server, http_task: asyncio.Task,  # noqa: ANN001
                     grace_s: float) -> None:
     started = time.monotonic()
+    if llm.engine.failure is not None:
+        print("kiln serve: the engine failed (see the log above); shutting down", file=sys.stderr, flush=True)
     service.stop_admitting()
     deadline = started + grace_s
     while llm.engine.pending() and time.monotonic() < deadline:

@@ -8,6 +8,7 @@ routes, whose errors leave as OpenAI error envelopes (kiln/server/http_errors.py
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 
@@ -47,13 +48,16 @@ def _operations(service: RuntimeService, metrics: Metrics) -> APIRouter:
 
     @router.api_route("/healthz", methods=["GET", "HEAD"])  # HEAD: probes that read only the status
     async def healthz() -> JSONResponse:
-        """200 while serving, 503 once shutdown began, so load balancers drain the instance."""
+        """200 while serving; 503 once shutdown began (load balancers drain the instance) or the engine
+        failed (the process is about to exit). service.health() takes no lock: it runs on the loop."""
         health = service.health()
         return JSONResponse(health, status_code=200 if health["status"] == "serving" else 503)
 
     @router.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        """A scrape reads live state under the store and engine locks: on a worker thread, so a scrape
+        during a slow operation never stalls the loop every stream shares."""
+        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
 
     return router
 

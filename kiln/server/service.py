@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kiln.engine.constraints import Constraint
 from kiln.engine.sampler import SamplingParams
@@ -15,6 +16,8 @@ from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError, KilnError
 from kiln.llm import LLM
 from kiln.results import SessionInfo, SnapshotInfo
+
+T = TypeVar("T")
 
 MAX_REQUEST_BYTES = 4 << 20  # largest request body on both transports: gRPC's own default receive limit
 
@@ -109,7 +112,7 @@ class RuntimeService:
         self._admit()
         stream = AsyncGenerationStream(self.llm.engine.cancel)
         params = self.sampling_params(request)
-        await asyncio.to_thread(self.sessions.generate, session_id, params, owner, stream)
+        await submitted([stream], lambda: self.sessions.generate(session_id, params, owner, stream))
         return stream
 
     def fork(self, owner: str | None, session_id: str, at: int | None = None) -> SessionInfo:
@@ -155,14 +158,16 @@ class RuntimeService:
         Submitted from a worker thread, like `generate`."""
         self._admit()
         stream = AsyncGenerationStream(self.llm.engine.cancel)
-        await asyncio.to_thread(self.llm.start, list(tokens), self.sampling_params(request), stream)
+        params = self.sampling_params(request)
+        await submitted([stream], lambda: self.llm.start(list(tokens), params, stream))
         return stream
 
     async def complete_choices(self, tokens: Sequence[int], request: GenerateRequest, n: int) -> list[AsyncGenerationStream]:
         """`n` stateless generations of one prompt that compute it once (LLM.start_choices)."""
         self._admit()
         streams = [AsyncGenerationStream(self.llm.engine.cancel) for _ in range(n)]
-        return await asyncio.to_thread(self.llm.start_choices, list(tokens), self.sampling_params(request), streams)
+        params = self.sampling_params(request)
+        return await submitted(streams, lambda: self.llm.start_choices(list(tokens), params, streams))
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -171,7 +176,8 @@ class RuntimeService:
         return self.llm.tokenizer.decode(self.llm.engine.validate_tokens(list(token_ids)), skip_special_tokens)
 
     def health(self) -> dict[str, object]:
-        usage = self.llm.engine.kv_usage()
+        """Lock-free: a probe answers while a step or a slow session operation holds a lock."""
+        usage = self.llm.engine.kv_usage_nowait()
         return {
             "status": self._status(),
             "model": self.model_name,
@@ -184,9 +190,22 @@ class RuntimeService:
         }
 
     def _status(self) -> str:
-        if not self.accepting:
-            return "shutting_down"
-        return "serving" if self.llm.engine.alive else "engine_failed"
+        if not self.llm.engine.alive:
+            return "engine_failed"
+        return "serving" if self.accepting else "shutting_down"
 
     def stop_admitting(self) -> None:
         self.accepting = False
+
+
+async def submitted(streams: Sequence[AsyncGenerationStream], submit: Callable[[], T]) -> T:
+    """`submit()` (which may wait for the store and engine locks) on a worker thread. Should the
+    awaiting caller be cancelled meanwhile (its RPC cancelled, its client gone), or the submission fail,
+    the streams are cancelled: a request the worker submits afterwards is cancelled as it is accepted
+    (BaseStream remembers the cancel), so no orphaned generation keeps running or keeps a session busy."""
+    try:
+        return await asyncio.to_thread(submit)
+    except BaseException:
+        for stream in streams:
+            stream.cancel()
+        raise

@@ -435,3 +435,66 @@ def test_a_session_gets_its_own_kv_policy_over_grpc(client):
         client.create_session([5], kv_policy="lru")
     with pytest.raises(InvalidArgumentError, match="kv_sink_tokens"):
         client.create_session([5], kv_sink_tokens=-1)
+
+
+def until(condition, what: str, timeout: float = 30.0) -> None:
+    """Wait for a state another thread reaches (an engine step, a finish event) with no event to wait on."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never: {what}")
+        time.sleep(0.01)
+
+
+def test_a_generate_cancelled_while_its_submission_waits_never_runs_on(inprocess, monkeypatch):
+    """The call is cancelled while the submission (on a worker thread) still waits, e.g. for the
+    store lock; the request it then submits is cancelled as it is accepted, and the session is free."""
+    service = inprocess.service
+    session = service.create_session(None, history())
+    submit, streams = service.sessions.generate, []
+    entered, release, returned = threading.Event(), threading.Event(), threading.Event()
+
+    def waiting_submit(session_id, params, owner, stream):  # noqa: ANN001, ANN202
+        streams.append(stream)
+        entered.set()
+        assert release.wait(30)
+        try:
+            return submit(session_id, params, owner, stream)
+        finally:
+            returned.set()
+
+    monkeypatch.setattr(service.sessions, "generate", waiting_submit)
+    with grpc.insecure_channel(inprocess.address) as channel:
+        message = pb.GenerateRequest(session_id=session.session_id, max_tokens=LONG, ignore_eos=True)
+        call = rpc.stub(channel).Generate(message, timeout=60)
+        try:
+            assert entered.wait(30)
+            call.cancel()
+            counted(inprocess.metrics, "grpc/Generate", "CANCELLED")  # the server saw the cancel
+        finally:
+            release.set()
+        assert returned.wait(30)
+    assert streams[0].request.cancelled.is_set()  # cancelled the moment it was accepted
+    until(lambda: not service.info(None, session.session_id).generating, "the session is free again")
+    assert service.info(None, session.session_id).history_tokens < 40 + LONG
+    assert service.llm.engine.stats.requests_by_outcome["cancelled"] == 1
+
+
+def test_grpc_health_reports_a_dead_engine(inprocess, monkeypatch):
+    llm = inprocess.service.llm
+    session = inprocess.service.create_session(None, history())
+
+    def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("a bug in the step and in its error handler")
+
+    monkeypatch.setattr(llm.engine, "step", broken)  # a step fails, and so does failing its requests
+    monkeypatch.setattr(llm.engine, "_fail", broken)
+    with grpc.insecure_channel(inprocess.address) as channel:
+        stub = rpc.stub(channel)
+        with pytest.raises(grpc.RpcError) as failed:
+            list(stub.Generate(pb.GenerateRequest(session_id=session.session_id, max_tokens=4), timeout=30))
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert stub.Health(pb.HealthRequest(), timeout=30).status == pb.SERVING_STATUS_ENGINE_FAILED
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(pb.GenerateRequest(session_id=session.session_id, max_tokens=4), timeout=30))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE

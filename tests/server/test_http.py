@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -438,3 +439,59 @@ def test_a_session_gets_its_own_kv_policy(http):
     generated = http.post(f"/v1/sessions/{info['session_id']}/generate", json={"max_tokens": 2})
     assert generated.status_code == 200, generated.text
     assert http.get(f"/v1/sessions/{info['session_id']}").json()["host_tier_bytes"] > 0
+
+
+def held_store_lock(store) -> tuple[threading.Event, threading.Event]:  # noqa: ANN001 - the SessionStore
+    """Another thread holds the store's lock (as a slow session operation would) until `release`, or
+    10 s at most (a server that blocks its loop on it then fails the test rather than hanging)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store.lock:
+            entered.set()
+            release.wait(timeout=10)
+
+    threading.Thread(target=hold, daemon=True).start()
+    assert entered.wait(timeout=30)
+    return entered, release
+
+
+@pytest.mark.parametrize("held", ["engine", "store"])
+def test_a_scrape_during_a_slow_operation_leaves_the_loop_serving(tiny_llm, monkeypatch, held):
+    """A scrape reads state under the engine and store locks; while another thread holds one, health
+    probes and generations on the same loop are still answered."""
+    service = RuntimeService(tiny_llm("llama"), "tiny")
+    if held == "engine":
+        entered, release = held_until_released(monkeypatch, service.llm.engine, "kv_usage")
+    else:
+        entered, release = held_store_lock(service.sessions)
+    with TestClient(build_http_app(service, ApiKeys(), Metrics(service.llm))) as http, ThreadPoolExecutor(1) as pool:
+        scrape = pool.submit(http.get, "/metrics")
+        try:
+            assert entered.wait(timeout=30)
+            health = http.get("/healthz")
+            completion = http.post("/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 2, "stream": True})
+            answered_meanwhile = not release.is_set() and not scrape.done()
+        finally:
+            release.set()
+        assert answered_meanwhile
+        assert health.status_code == 200 and health.json()["status"] == "serving"
+        assert completion.status_code == 200 and completion.text.endswith("data: [DONE]\n\n")
+        assert scrape.result().status_code == 200 and "kiln_sessions_active" in scrape.result().text
+
+
+def test_healthz_reports_a_dead_engine_and_generations_are_unavailable(tiny_llm, monkeypatch):
+    service = RuntimeService(tiny_llm("llama"), "tiny")
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug in the step and in its error handler")
+
+    monkeypatch.setattr(service.llm.engine, "step", broken)  # a step fails, and so does failing its requests
+    monkeypatch.setattr(service.llm.engine, "_fail", broken)
+    with TestClient(build_http_app(service, ApiKeys(), Metrics(service.llm))) as http:
+        failed = http.post("/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 2})
+        assert failed.status_code == 503 and failed.json()["error"]["code"] == "UNAVAILABLE"
+        health = http.get("/healthz")
+        assert health.status_code == 503 and health.json()["status"] == "engine_failed"
+        refused = http.post("/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 2})
+        assert refused.status_code == 503

@@ -1,15 +1,22 @@
-"""`kiln serve` as a process: refuses unsafe binds, and shuts down cleanly on SIGTERM."""
+"""`kiln serve` as a process: refuses unsafe binds, shuts down cleanly on SIGTERM, and exits non-zero
+when its engine dies."""
 
+import asyncio
 import re
 import subprocess
 import sys
+import threading
+import time
 
+import httpx
 import openai
 import pytest
 
 from kiln import LLM, KilnError
+from kiln.cli import EXIT_ENGINE_FAILED
 from kiln.client import Client
-from tests.server.conftest import start_server, tiny_model_dir
+from kiln.server.app import EngineFailedError, ServeOptions, serve_async
+from tests.server.conftest import free_port, start_server, tiny_model_dir
 
 
 def test_non_loopback_bind_without_key_is_refused(tmp_path):
@@ -76,3 +83,72 @@ def test_embedded_model_served_over_grpc_and_http(tmp_path):
         assert server.stop() < 10
     with LLM(kv_budget_bytes=64 * 1024**2) as llm:
         assert remote == llm.generate(prompt, max_tokens=12)[0].token_ids
+
+
+BREAK_THE_ENGINE = """
+import sys
+from kiln.cli import main
+from kiln.engine.engine import Engine
+
+def broken(self, *args, **kwargs):
+    raise RuntimeError("injected: a bug in the step and in its error handler")
+
+Engine.step = broken  # a step fails, and so does failing its requests: the loop dies
+Engine._fail = broken
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_serve_exits_non_zero_when_the_engine_dies(servers_root):
+    """The first generation kills the engine's loop: it ends UNAVAILABLE, and the process exits with
+    the status a supervisor restarts on (not the usage error's 2)."""
+    server = start_server(str(tiny_model_dir(servers_root)), servers_root / "cache", launcher=("-c", BREAK_THE_ENGINE))
+    try:
+        reply = httpx.post(f"{server.http_url}/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 2}, timeout=60)
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "UNAVAILABLE"
+        assert server.process.wait(timeout=60) == EXIT_ENGINE_FAILED, "".join(server.log)
+    finally:
+        server.stop()
+    assert any("engine failed" in line for line in server.log), "".join(server.log)
+
+
+def test_serve_async_shuts_down_and_raises_when_the_engine_dies(tiny_llm, monkeypatch):
+    """In process: the watchdog stops the server once the loop died, and serve_async raises."""
+    llm = tiny_llm("llama")
+    options = ServeOptions(grpc_port=free_port(), http_port=free_port(), shutdown_grace_s=0)
+    # signals belong to the main thread; this server runs on another
+    monkeypatch.setattr(asyncio.SelectorEventLoop, "add_signal_handler", lambda *args: None)
+    outcome: list[BaseException | None] = []
+
+    def serve() -> None:
+        try:
+            asyncio.run(serve_async(llm, options))
+            outcome.append(None)
+        except BaseException as error:  # noqa: BLE001 - the outcome is the test's subject
+            outcome.append(error)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{options.http_port}"
+    deadline = time.monotonic() + 60
+    while not _answers(f"{url}/healthz"):
+        assert thread.is_alive() and time.monotonic() < deadline, outcome
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug in the step and in its error handler")
+
+    monkeypatch.setattr(llm.engine, "step", broken)
+    monkeypatch.setattr(llm.engine, "_fail", broken)
+    reply = httpx.post(f"{url}/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 2}, timeout=60)
+    assert reply.status_code == 503
+    thread.join(timeout=60)
+    assert not thread.is_alive() and isinstance(outcome[0], EngineFailedError)
+    assert isinstance(outcome[0].__cause__, RuntimeError)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.TransportError:
+        time.sleep(0.05)  # not listening yet
+        return False
