@@ -328,10 +328,12 @@ class Engine:
 
     def capture_sequence(self, seq: Sequence, known: dict[PageKey, int]) -> KVImage:
         """A copy of an idle session sequence's K/V, taken between steps (see KVCache.capture for
-        `known`). FailedPreconditionError while a request runs on it: its pages are being written;
-        UnavailableError once the loop died mid-step, when no page can be trusted."""
+        `known`). FailedPreconditionError while a request runs on it: its pages are being written.
+        Once the loop died no page can be trusted, but the history can: the image holds it alone (the
+        K/V is recomputed after a restore), so a session's last turns still reach its snapshot."""
         with self._lock:
-            self._refuse_if_dead()
+            if self._failure is not None:
+                return KVImage(list(seq.tokens), 0, seq.table.policy, [[] for _ in self._cache.layout.groups], {})
             if any(r.seq is seq for r in (*self._scheduler.waiting, *self._scheduler.running)):
                 raise FailedPreconditionError("a generation is running on this sequence")
             return self._cache.capture(seq.table, seq.tokens, seq.num_computed, known)

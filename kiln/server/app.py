@@ -127,9 +127,11 @@ async def serve_async(llm: LLM, options: ServeOptions) -> None:
           file=sys.stderr, flush=True)
     print(try_it(options, keys.enabled), file=sys.stderr, flush=True)
     await stop.wait()
-    await _shutdown(llm, service, grpc_server, http, http_task, options.shutdown_grace_s)
-    if (failure := llm.engine.failure) is not None:
-        raise EngineFailedError(f"the engine failed while serving ({type(failure).__name__}: {failure})") from failure
+    try:
+        await _shutdown(llm, service, grpc_server, http, http_task, options.shutdown_grace_s)
+    finally:  # a dead engine is what the exit reports, even should the shutdown fail after it
+        if (failure := llm.engine.failure) is not None:
+            raise EngineFailedError(f"the engine failed while serving ({type(failure).__name__}: {failure})") from failure
 
 
 def try_it(options: ServeOptions, auth: bool) -> str:

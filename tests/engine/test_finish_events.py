@@ -158,3 +158,16 @@ def test_a_request_gets_one_finish_event_however_many_endings_are_delivered():
     outputs.deliver([(request, FinishEvent("stop", usage)), (request, FinishEvent("cancelled", usage))])
     assert outputs.fail_open(UnavailableError("gone")) == 0
     assert [event.reason for event in events] == ["stop"]  # type: ignore[attr-defined]
+
+
+def test_a_dead_loop_still_captures_a_history_without_its_suspect_kv(tiny_llm, monkeypatch):
+    llm = tiny_llm("llama")
+    engine = llm.engine
+    break_the_loop(llm, monkeypatch)
+    seq = engine.new_sequence(prompts(1, 20)[0], session=True)
+    stream = GenerationStream(engine.cancel)
+    stream.request = engine.submit(seq, GREEDY, stream.emit)
+    assert isinstance(finish_of(stream), UnavailableError)
+    image = engine.capture_sequence(seq, {})
+    assert image.tokens == seq.tokens and image.num_computed == 0 and not image.blocks
+    assert all(not pages for pages in image.pages)
