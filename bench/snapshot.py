@@ -45,21 +45,26 @@ def directory_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in (root / "blobs").glob("*/*.zst"))
 
 
+def checkpoint(llm: LLM, persistence: Persistence, session_id: str) -> str:
+    """A checkpoint into `persistence`'s store, copying only pages it has not saved before."""
+    return persistence.checkpoint(llm.sessions.capture(session_id, None, persistence.known(session_id)))
+
+
 def measure_length(llm: LLM, length: int, repeats: int, scratch: Path) -> dict[str, Any]:
     session = llm.create_session(common.random_ids(length, seed=length))
     session.generate(max_tokens=1, **GREEDY).result()
     full, restore, restore_first = [], [], []
     main = scratch / f"main-{length}"
-    persistence = Persistence(open_store(main), llm.engine, llm.sessions)
-    snapshot_id = persistence.snapshot(session.id, None)
+    persistence = Persistence(open_store(main), llm.engine)
+    snapshot_id = checkpoint(llm, persistence, session.id)
     stored = directory_bytes(main)
     manifest = persistence.store.require_manifest(snapshot_id)
     for repeat in range(repeats):
-        fresh = Persistence(open_store(scratch / f"full-{length}-{repeat}"), llm.engine, llm.sessions)
-        seconds, _ = common.timed(fresh.snapshot, session.id, None)
+        fresh = Persistence(open_store(scratch / f"full-{length}-{repeat}"), llm.engine)
+        seconds, _ = common.timed(checkpoint, llm, fresh, session.id)
         full.append(seconds)
         fresh.close()
-        seconds, restored_id = common.timed(persistence.restore, snapshot_id, None)
+        seconds, restored_id = common.timed(lambda: llm.sessions.adopt(persistence.open_checkpoint(snapshot_id, None)))
         restore.append(seconds)
         restored = llm.get_session(restored_id)
         first, _ = common.timed(lambda s=restored: s.generate(max_tokens=1, **GREEDY).result())
@@ -76,7 +81,7 @@ def measure_length(llm: LLM, length: int, repeats: int, scratch: Path) -> dict[s
         session.append(common.random_ids(TURN_APPEND, seed=repeat))
         session.generate(max_tokens=TURN_GENERATE, **GREEDY).result()
         before = persistence.stats.bytes_written
-        seconds, _ = common.timed(persistence.snapshot, session.id, None)
+        seconds, _ = common.timed(checkpoint, llm, persistence, session.id)
         incremental.append(seconds)
         written.append(persistence.stats.bytes_written - before)
     persistence.close()

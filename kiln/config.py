@@ -77,6 +77,9 @@ class EngineConfig:
     # (redis://host:port/db, shared by several servers). Off when neither is set.
     snapshot_dir: str | None = None
     snapshot_store: str | None = None
+    # A turn's finish is sent only once the turn is saved (kiln/snapshots/persistence.py's durability
+    # rule): no acknowledged turn is lost to a crash, at the cost of a save's latency per turn.
+    durable_turns: bool = False
 
     def __post_init__(self) -> None:
         problems = []

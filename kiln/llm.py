@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -47,10 +47,9 @@ class LLM:
         cache_dir = Path(self.config.cache_dir) if self.config.cache_dir else None
         self.loaded = loaded or load_model(self.config.model, cache_dir=cache_dir)
         self.engine = Engine(self.config, self.loaded)
-        self.sessions = SessionStore(self.engine, self.config.max_sessions, self.config.session_ttl_s)
         target = self.config.snapshot_store or self.config.snapshot_dir
-        self.persistence = Persistence(open_store(target), self.engine, self.sessions) if target else None
-        self.sessions.persistence = self.persistence
+        self.persistence = Persistence(open_store(target), self.engine) if target else None
+        self.sessions = SessionStore(self.engine, self.config.max_sessions, self.config.session_ttl_s, self.persistence)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -128,7 +127,7 @@ class LLM:
 
     def restore_session(self, snapshot_id: str) -> Session:
         """A new session with a snapshot's history and K/V (verified before anything is loaded)."""
-        return Session(self, self.snapshots.restore(snapshot_id, None))
+        return Session(self, self.sessions.restore(snapshot_id, None))
 
     def list_snapshots(self) -> list[SnapshotInfo]:
         return self.snapshots.list(None)
@@ -137,25 +136,59 @@ class LLM:
         self.snapshots.delete(snapshot_id, None)
 
     @property
-    def snapshots(self) -> Persistence:
-        """The snapshot service; FailedPreconditionError when persistence is off."""
+    def snapshots(self) -> Snapshots:
+        """The checkpoint service; FailedPreconditionError when persistence is off."""
         if self.persistence is None:
             raise FailedPreconditionError("snapshots are off: set snapshot_dir or snapshot_store")
-        return self.persistence
+        return Snapshots(self.sessions, self.persistence)
 
     def close(self) -> None:
-        """Stop the engine; with persistence, save every session and finish queued saves first."""
+        """Stop the engine; with persistence, finish every queued save (and any checkpoint under way)
+        before the store is released."""
         self.engine.shutdown()
+        self.sessions.close_all()
         if self.persistence is not None:
-            self.sessions.close_all()
             self.persistence.close()
-            self.persistence = self.sessions.persistence = None
+            self.persistence = None
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class Snapshots:
+    """Checkpoints of sessions, as `LLM.snapshots` and the servers use them: taking and restoring one
+    involves live sessions (the SessionStore), listing and deleting only the store (Persistence)."""
+
+    sessions: SessionStore
+    persistence: Persistence
+
+    def snapshot(self, session_id: str, owner: str | None) -> str:
+        """A checkpoint of an idle session; returns its id once it is durable."""
+        return self.sessions.snapshot(session_id, owner)
+
+    def restore(self, snapshot_id: str, owner: str | None) -> str:
+        """A new session (new id, this owner) with a checkpoint's history and K/V; returns its id."""
+        return self.sessions.restore(snapshot_id, owner)
+
+    def info(self, snapshot_id: str, owner: str | None) -> SnapshotInfo:
+        return self.persistence.info(snapshot_id, owner)
+
+    def list(self, owner: str | None) -> list[SnapshotInfo]:
+        return self.persistence.list(owner)
+
+    def delete(self, snapshot_id: str, owner: str | None) -> None:
+        self.persistence.delete(snapshot_id, owner)
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every queued background save is written (False on timeout)."""
+        return self.persistence.flush(timeout_s)
+
+    def add_observer(self, observe: Callable[[str, float], None]) -> None:
+        self.persistence.add_observer(observe)
 
 
 class Session:

@@ -48,6 +48,11 @@ class SessionInfo:
     tier_bytes_per_token: float = 0.0  # the same token encoded by the engine's kv_codec in a tier
     host_tier_bytes: int = 0  # this session's evicted pages in host memory / on disk (shared pages count
     disk_tier_bytes: int = 0  # for each holder)
+    # Persistence (kiln/snapshots/persistence.py): whether a change is not yet in the store, when it last
+    # was saved (unix seconds; None: not yet, or persistence off), failed saves since the last good one.
+    unsaved_changes: bool = False
+    last_saved_at: float | None = None
+    save_failures: int = 0
 
 
 @dataclass(frozen=True)

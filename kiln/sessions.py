@@ -6,12 +6,21 @@ is missing and its output joins the history. Sessions are visible only to the ow
 close, its idle TTL or the `max_sessions` cap (least recently used first), each counted by reason.
 Memory pressure never ends one: the engine may drop an idle session's K/V, never its history, and the
 next turn recomputes what is missing. Invariants are checked after every mutation; a violation fails
-that session only. With persistence (kiln/snapshots) every change is saved in the background, eviction
-saves the session before freeing it, and a call on an evicted (or, after a restart, unknown) id
-restores it from its snapshot: only close ends a persisted session for good.
+that session only (its history is still saved, without K/V, so the next process gets it back).
 
-The store has its own lock, held for session bookkeeping only; pages belong to the engine, reached
-through its session-facing operations (lock order: store, then engine).
+With persistence (kiln/snapshots/persistence.py) the store owns live state and hands Persistence
+captures; Persistence never calls back. Every change (creation, append, fork, a turn's end) is captured
+by the thread that made it and queued before the change is acknowledged (see Persistence's durability
+rule); eviction captures the session whole and queues it before its pages go; a call on an evicted (or,
+after a restart, unknown) id brings it back from its queued capture or snapshot; close deletes the
+snapshot first and ends the session only if that worked (else UnavailableError, nothing changed).
+
+Locks (docs/architecture.md § Locks): the store lock guards the session table and is held for
+bookkeeping only; the lock order is store, then engine. Whatever is slow happens outside it on a session
+its thread has claimed (`busy`): copying pages out (capture), loading a revived session, deleting a
+snapshot, compiling a grammar, an eviction's capture. Another call on that same session waits for it;
+calls on other sessions never do. Ids being revived or evicted are in transit: callers of that id wait,
+so two callers never both revive it.
 """
 
 from __future__ import annotations
@@ -21,7 +30,8 @@ import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kiln.engine.engine import Engine
@@ -35,16 +45,19 @@ from kiln.errors import (
     KilnError,
     NotFoundError,
     ResourceExhaustedError,
+    UnavailableError,
 )
-from kiln.kv.image import PageKey
+from kiln.kv.image import KVImage
 from kiln.results import SessionInfo, Usage
-from kiln.snapshots.persistence import Persistence, SessionCapture
+from kiln.snapshots.persistence import Known, MissingPagesError, Persistence, SessionCapture
 
 logger = logging.getLogger(__name__)
 
 MIN_TTL_S = 1.0  # shorter, a session could expire before its creator's next call
 MAX_TTL_S = 30 * 86400.0
 TOMBSTONES = 10_000  # ids of ended sessions remembered to explain a NOT_FOUND
+STOP_WAIT_S = 30.0  # how long close waits for the session's cancelled generate to end
+KEEPER_PERIOD_S = 5.0  # the keeper's pace when nothing wakes it
 
 
 @dataclass
@@ -56,6 +69,7 @@ class _Session:
     created_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     active: Request | None = None
+    busy: bool = False  # a thread works on it outside the store lock; other calls on it wait
     closed: bool = False
     failure: InvariantViolation | None = None
     last_usage: Usage | None = None
@@ -63,18 +77,27 @@ class _Session:
 
 
 class SessionStore:
-    def __init__(self, engine: Engine, max_sessions: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, engine: Engine, max_sessions: int, ttl_s: float, persistence: Persistence | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
+        self.persistence = persistence
+        self.durable_turns = bool(getattr(engine.config, "durable_turns", False))
         self._clock = clock
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
         self._ended: OrderedDict[str, tuple[str | None, str]] = OrderedDict()  # id -> (owner, why it ended)
+        self._transit: set[str] = set()  # ids being revived or leaving memory
         self.evictions: Counter[str] = Counter()
         self.outcomes: Counter[str] = Counter()  # created / closed / evicted / failed
         self.invariant_violations: Counter[str] = Counter()
-        self.lock = threading.RLock()
-        self.persistence: Persistence | None = None  # set by the LLM when snapshots are on
+        self.lock = threading.Lock()
+        self._changed = threading.Condition(self.lock)  # a session went idle, unbusy or out of transit
+        self._stopped = threading.Event()
+        self._keeper: threading.Thread | None = None
+        if persistence is not None:
+            self._keeper = threading.Thread(target=self._keep_up, name="kiln-session-keeper", daemon=True)
+            self._keeper.start()
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -90,31 +113,67 @@ class SessionStore:
         ids = self.engine.validate_tokens(ids)
         ttl = self._check_ttl(ttl_s)
         policy = self.engine.policy(kv_policy, kv_sink_tokens, kv_window_tokens)
-        with self.lock:
-            self.expire()
-            self._make_room()
-            return self._add(self.engine.new_sequence(ids, session=True, policy=policy), ttl, owner).session_id
+        with self._locked() as leaving:
+            self._make_room(leaving)
+            session = self._add(self.engine.new_sequence(ids, session=True, policy=policy), ttl, owner)
+        return self._persisted(session)
 
     def fork(self, session_id: str, at: int | None = None, owner: str | None = None) -> str:
         """A new session whose history is the first `at` tokens (default: all) of this one; it shares
         the pages of those tokens (copy-on-write: shared pages are full and never written)."""
-        with self.lock:
-            parent = self._get(session_id, owner, idle=True)
+        with self._locked() as leaving:
+            parent = self._session(leaving, session_id, owner, idle=True)
             length = len(parent.seq.tokens)
             at = length if at is None else at
             if not isinstance(at, int) or isinstance(at, bool) or not 0 <= at <= length:
                 raise InvalidArgumentError(f"fork position must be in [0, {length}], got {at!r}")
-            self._make_room(keep=parent)
+            self._make_room(leaving, keep=parent)
             self._touch(parent)
-            return self._add(self.engine.fork_sequence(parent.seq, at), parent.ttl_s, owner).session_id
+            child = self._add(self.engine.fork_sequence(parent.seq, at), parent.ttl_s, owner)
+        return self._persisted(child)
 
     def close(self, session_id: str, owner: str | None = None) -> None:
+        """End the session for good. With persistence its snapshot is deleted first: if that fails, the
+        session stays as it was and UnavailableError says to retry."""
+        with self._locked() as leaving:
+            session = self._session(leaving, session_id, owner)
+            if self.persistence is None:
+                self._close(session, "closed")
+                return
+            self._claim_quiet(leaving, session, session_id, owner)
+        try:
+            self.persistence.delete_session(session_id)
+        except BaseException as error:
+            self._unclaim(session)
+            if isinstance(error, KilnError):
+                raise UnavailableError(f"session {session_id} was not closed, deleting its snapshot failed "
+                                       f"(retry the close): {error}") from error
+            raise
         with self.lock:
-            session = self._get(session_id, owner)
-            self._end(session, "closed")
-            self.outcomes["closed"] += 1
-            if self.persistence is not None:
-                self.persistence.forget(session_id)
+            session.busy = False
+            if not session.closed:
+                self._close(session, "closed")
+            self._changed.notify_all()
+
+    def _claim_quiet(self, leaving: list[_Session], session: _Session, session_id: str, owner: str | None) -> None:
+        """Claim a session once its generate (cancelled here) has ended and no other call works on it."""
+        deadline = time.monotonic() + STOP_WAIT_S
+        while session.active is not None or session.busy:
+            if session.active is not None:
+                self.engine.cancel(session.active)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise UnavailableError(f"session {session_id} is still busy after {STOP_WAIT_S:.0f} s; nothing was closed")
+            self._changed.wait(remaining)
+            session = self._session(leaving, session_id, owner)  # NotFoundError if it ended meanwhile
+        session.busy = True
+
+    def _close(self, session: _Session, why: str) -> None:
+        self._end(session, why)
+        self.engine.release_sequence(session.seq)  # at once, or when its request ends
+        if session.active is not None:
+            self.engine.cancel(session.active)
+        self.outcomes["closed"] += 1
 
     # ---- history and generation -------------------------------------------------------------------
 
@@ -126,22 +185,30 @@ class SessionStore:
             raise InvalidArgumentError("append needs at least one token id")
         self._check_length(len(ids))  # before looking at each id: a huge request is refused cheaply
         ids = self.engine.validate_tokens(ids)
-        with self.lock:
-            session = self._get(session_id, owner, idle=True)
+        with self._locked() as leaving:
+            session = self._session(leaving, session_id, owner, idle=True)
             self._check_length(len(session.seq.tokens) + len(ids))
             self.engine.append(session.seq, ids)
             self._touch(session)
             self._check(session)
-            return len(session.seq.tokens)
+            session.busy = self.persistence is not None
+            length = len(session.seq.tokens)
+        self._persisted(session)
+        return length
 
     def generate(
         self, session_id: str, params: SamplingParams, owner: str | None = None, stream: BaseStream | None = None
     ) -> BaseStream:
         """Start a generation that continues the history; its tokens join the history as they commit.
         Events go to `stream` (an AsyncGenerationStream for asyncio callers), by default a new
-        GenerationStream."""
-        with self.lock:
-            session = self._get(session_id, owner, idle=True)
+        GenerationStream. A constraint is compiled before the store lock is taken."""
+        if params.constraint is not None:
+            with self._locked() as leaving:
+                session = self._session(leaving, session_id, owner, idle=True)
+                length, policy = len(session.seq.tokens), self.engine.sequence_kv(session.seq).policy
+            self.engine.check_request(length, params, policy)
+        with self._locked() as leaving:
+            session = self._session(leaving, session_id, owner, idle=True)
             stream = stream or GenerationStream(self.engine.cancel)
             stream.request = self.engine.submit(session.seq, params, self._on_event(session, stream.emit))
             session.active = stream.request
@@ -151,151 +218,333 @@ class SessionStore:
     def _on_event(self, session: _Session, emit: Callable[[Event], None]) -> Callable[[Event], None]:
         def on_event(event: Event) -> None:  # engine thread, engine lock not held
             if isinstance(event, FinishEvent):
-                with self.lock:
-                    session.active = None
-                    session.last_usage = event.usage
-                    self._touch(session)
-                    if not session.closed:
-                        try:
-                            self._check(session)
-                        except InvariantViolation as violation:
-                            event = FinishEvent("error", event.usage, error=violation)
-            emit(event)
+                self._end_turn(session, event, emit)
+            else:
+                emit(event)
 
         return on_event
 
-    def tokens(self, session_id: str, owner: str | None = None) -> list[int]:
+    def _end_turn(self, session: _Session, event: FinishEvent, emit: Callable[[Event], None]) -> None:
+        """A generate ended (engine thread): check the session, capture and queue it while its request
+        still holds it (no other call can change it), then free it and send the finish (under
+        durable_turns, once the turn is saved)."""
         with self.lock:
-            return list(self._get(session_id, owner).seq.tokens)
+            live = not session.closed
+            if live and session.failure is None and (violation := self._check(session)) is not None:
+                event = FinishEvent("error", event.usage, error=violation)
+        finish = _Finish(emit, event) if live and self.durable_turns and self.persistence is not None else None
+        try:
+            if live:
+                self._persist(session, finish.saved if finish else None)
+        finally:
+            with self.lock:
+                session.active = None
+                session.last_usage = event.usage
+                self._touch(session)
+                self._changed.notify_all()
+        if finish is not None:
+            finish.idle()
+        else:
+            emit(event)
+
+    def tokens(self, session_id: str, owner: str | None = None) -> list[int]:
+        with self._locked() as leaving:
+            return list(self._session(leaving, session_id, owner).seq.tokens)
 
     def info(self, session_id: str, owner: str | None = None) -> SessionInfo:
-        with self.lock:
-            return self._info(self._get(session_id, owner))
+        with self._locked() as leaving:
+            return self._info(self._session(leaving, session_id, owner))
 
     def list(self, owner: str | None = None) -> list[SessionInfo]:
-        with self.lock:
-            self.expire()
+        with self._locked() as leaving:
+            self._expire(leaving)
             return [self._info(s) for s in self._sessions.values() if s.owner == owner]
 
     def close_all(self) -> None:
-        """Release every session (server shutdown); each counts as closed. With persistence, each idle
-        session is saved first, to come back after the restart (after the background saves queued so far,
-        so an older capture of a session never lands after its final one)."""
+        """Release every session (server shutdown); each counts as closed. With persistence every change
+        was queued when it was made: a session whose queued capture went stale is captured whole again,
+        and every queued save is finished before this returns."""
+        self._stopped.set()
         if self.persistence is not None:
-            self.persistence.flush()  # without the store lock: the saver takes it to capture
+            self.persistence.wake()
         with self.lock:
-            for session in list(self._sessions.values()):
-                if self.persistence is not None and session.active is None and session.failure is None:
-                    try:
-                        self.persistence.save_now(self._capture(session, self.persistence.known(session.session_id)))
-                    except KilnError as error:
-                        logger.warning("saving session %s at shutdown failed: %s", session.session_id, error)
+            deadline = time.monotonic() + STOP_WAIT_S
+            while any(s.busy for s in self._sessions.values()) and time.monotonic() < deadline:
+                self._changed.wait(max(0.0, deadline - time.monotonic()))
+            ending = list(self._sessions.values())
+            for session in ending:
                 self._end(session, "closed (server shutdown)")
                 self.outcomes["closed"] += 1
+        stale = set(self.persistence.stale_sessions()) if self.persistence is not None else set()
+        for session in ending:
+            if session.session_id in stale and session.active is None:
+                self._submit(session, Known.nothing(), final=True)
+            self.engine.release_sequence(session.seq)
+            if session.active is not None:
+                self.engine.cancel(session.active)
+        if self.persistence is not None:
+            self.persistence.flush()
+
+    @property
+    def closing(self) -> bool:
+        """Whether `close_all` has begun (it waits for calls working on a session to finish)."""
+        return self._stopped.is_set()
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    # ---- checkpoints (kiln/snapshots) -------------------------------------------------------------
+
+    def snapshot(self, session_id: str, owner: str | None = None) -> str:
+        """A checkpoint of an idle session; returns its id once it is durable."""
+        persistence = self._snapshots()
+        with self._locked() as leaving:
+            session = self._session(leaving, session_id, owner, idle=True, claim=True)
+        try:
+            try:
+                return persistence.checkpoint(self._capture(session, persistence.known(session_id)))
+            except MissingPagesError:  # the memo of the lost pages is forgotten: this capture copies them
+                return persistence.checkpoint(self._capture(session, persistence.known(session_id)))
+        finally:
+            self._unclaim(session)
+
+    def restore(self, snapshot_id: str, owner: str | None = None) -> str:
+        """A new session (new id, this owner) with a checkpoint's history and K/V; returns its id."""
+        return self.adopt(self._snapshots().open_checkpoint(snapshot_id, owner))
+
+    def capture(self, session_id: str, owner: str | None = None, known: Known | None = None) -> SessionCapture:
+        """A copy of an idle session's history and K/V, complete unless `known` (Persistence.known) names
+        pages saved before (tools and benchmarks)."""
+        with self._locked() as leaving:
+            session = self._session(leaving, session_id, owner, idle=True, claim=True)
+        try:
+            capture = self._capture(session, known or Known.nothing())
+        finally:
+            self._unclaim(session)
+        if capture is None:
+            raise FailedPreconditionError(f"session {session_id} has no history to capture")
+        return capture
+
+    def adopt(self, capture: SessionCapture) -> str:
+        """A new session (new id, the capture's owner) holding a capture's history and K/V."""
+        seq = self.engine.load_sequence(capture.image)
+        try:
+            with self._locked() as leaving:
+                self._make_room(leaving)
+                session = self._add(seq, capture.ttl_s, capture.owner)
+        except BaseException:
+            self.engine.release_sequence(seq)
+            raise
+        return self._persisted(session)
+
+    def _snapshots(self) -> Persistence:
+        if self.persistence is None:
+            raise FailedPreconditionError("snapshots are off: set snapshot_dir or snapshot_store")
+        return self.persistence
 
     # ---- eviction ---------------------------------------------------------------------------------
 
     def expire(self) -> int:
         """Evict idle sessions past their TTL; returns how many."""
+        with self._locked() as leaving:
+            return self._expire(leaving)
+
+    def _expire(self, leaving: list[_Session]) -> int:
         now = self._clock()
-        expired = [s for s in self._sessions.values() if s.active is None and now - s.last_used > s.ttl_s]
+        expired = [s for s in self._sessions.values() if self._idle(s) and now - s.last_used > s.ttl_s]
         for session in expired:
-            self._keep(session)
-            self._end(session, "evicted (idle ttl)")
-            self.evictions["ttl"] += 1
-            self.outcomes["evicted"] += 1
+            self._evict(session, "ttl", leaving)
         return len(expired)
 
-    def _evict_lru(self, reason: str, keep: _Session | None = None) -> bool:
-        for session in self._sessions.values():
-            if session.active is None and session is not keep:
-                self._keep(session)
-                self._end(session, f"evicted ({reason})")
-                self.evictions[reason] += 1
-                self.outcomes["evicted"] += 1
-                return True
-        return False
+    def _make_room(self, leaving: list[_Session], keep: _Session | None = None) -> None:
+        self._expire(leaving)
+        while len(self._sessions) >= self.max_sessions:
+            victim = next((s for s in self._sessions.values() if self._idle(s) and s is not keep), None)
+            if victim is None:
+                raise ResourceExhaustedError(f"{self.max_sessions} sessions are live and none is idle")
+            self._evict(victim, "lru", leaving)
+
+    def _evict(self, session: _Session, reason: str, leaving: list[_Session]) -> None:
+        """Select: the session leaves the table now (under the lock); its capture and the release of its
+        pages happen after the lock is released (`_leave`), its id in transit meanwhile."""
+        self._end(session, f"evicted ({'idle ttl' if reason == 'ttl' else reason})")
+        self.evictions[reason] += 1
+        self.outcomes["evicted"] += 1
+        if self.persistence is not None:
+            self._transit.add(session.session_id)
+        leaving.append(session)
+
+    def _leave(self, session: _Session) -> None:
+        """Outside the lock: an evicted session's whole capture is queued, then its pages go back."""
+        try:
+            if self.persistence is not None:
+                self._submit(session, Known.nothing(), final=True)
+        finally:
+            self.engine.release_sequence(session.seq)
+            with self.lock:
+                self._transit.discard(session.session_id)
+                self._changed.notify_all()
+
+    @staticmethod
+    def _idle(session: _Session) -> bool:
+        return session.active is None and not session.busy
+
+    # ---- finding a session ------------------------------------------------------------------------
+
+    @contextmanager
+    def _locked(self) -> Iterator[list[_Session]]:
+        """The store lock, held for bookkeeping; sessions evicted meanwhile (the list) leave memory
+        once it is released."""
+        leaving: list[_Session] = []
+        try:
+            with self.lock:
+                yield leaving
+        finally:
+            for session in leaving:
+                self._leave(session)
+
+    def _session(self, leaving: list[_Session], session_id: str, owner: str | None, *, idle: bool = False,
+                 claim: bool = False) -> _Session:
+        """The live session of an id, brought back from persistence if it is not in memory. Called with
+        the store lock held once; it may release it meanwhile (waiting for a session in transit or busy,
+        loading a revived one). `idle`: no generate in flight, and waits until no call works on it;
+        `claim`: mark it busy for the caller (`_unclaim` when done)."""
+        while True:
+            self._expire(leaving)
+            session = self._sessions.get(session_id) if isinstance(session_id, str) else None
+            if session is None and isinstance(session_id, str) and session_id not in self._transit:
+                session = self._revive(leaving, session_id, owner)
+            if session is None and isinstance(session_id, str) and session_id in self._transit:
+                self._changed.wait()
+                continue
+            if session is None or session.owner != owner:
+                ended = self._ended.get(session_id) if session is None and isinstance(session_id, str) else None
+                why = ended[1] if ended is not None and ended[0] == owner else "does not exist"  # others learn nothing
+                raise NotFoundError(f"session {_shown(session_id)} {why}")
+            if session.failure is not None:
+                raise FailedPreconditionError(f"session {session_id} failed: {session.failure}")
+            if idle and session.active is not None:
+                raise FailedPreconditionError(f"session {session_id} already has a generate in flight")
+            if (idle or claim) and session.busy:
+                self._changed.wait()
+                continue
+            session.busy = session.busy or claim
+            return session
+
+    def _revive(self, leaving: list[_Session], session_id: str, owner: str | None) -> _Session | None:
+        """An evicted or pre-restart session back from its queued capture or snapshot, under its own
+        id; None if it has none (or is another owner's, or was closed). The load runs without the store
+        lock, the id in transit."""
+        ended = self._ended.get(session_id)
+        if self.persistence is None or self._stopped.is_set() or (ended is not None and ended[1] == "closed"):
+            return None
+        self._transit.add(session_id)
+        self.lock.release()
+        try:
+            capture = self.persistence.load(session_id, owner)
+            seq = self.engine.load_sequence(capture.image) if capture is not None else None
+        finally:
+            self.lock.acquire()
+            self._transit.discard(session_id)
+            self._changed.notify_all()
+        if capture is None or seq is None:
+            return None
+        try:
+            self._make_room(leaving)
+        except BaseException:
+            self.engine.release_sequence(seq)
+            raise
+        self._ended.pop(session_id, None)
+        return self._add(seq, capture.ttl_s, owner, session_id, capture.created_at, claim=False)
+
+    def _unclaim(self, session: _Session) -> None:
+        with self.lock:
+            session.busy = False
+            self._changed.notify_all()
 
     # ---- persistence (kiln/snapshots) -------------------------------------------------------------
 
-    def capture(self, session_id: str, owner: str | None, known: dict[PageKey, int]) -> SessionCapture:
-        """A copy of an idle session's history and K/V (for an explicit snapshot)."""
-        with self.lock:
-            return self._capture(self._get(session_id, owner, idle=True), known)
+    def _persisted(self, session: _Session) -> str:
+        """A new or changed session its thread has claimed: queue its capture (outside the lock), free
+        it; raise its invariant violation, if any, once its history is safe. Returns its id."""
+        try:
+            self._persist(session)
+        finally:
+            if self.persistence is not None:
+                self._unclaim(session)
+        if session.failure is not None:
+            raise session.failure
+        return session.session_id
 
-    def capture_idle(self, session_id: str, known: dict[PageKey, int]) -> SessionCapture | None:
-        """The same for the background saver: None if the session is gone, failed or generating (its
-        turn's end marks it again)."""
-        with self.lock:
-            session = self._sessions.get(session_id)
-            if session is None or session.active is not None or session.failure is not None:
-                return None
-            return self._capture(session, known)
+    def _persist(self, session: _Session, on_saved: Callable[[Exception | None], None] | None = None) -> None:
+        """Capture a session its thread owns and queue the capture (`on_saved` is told when it is saved)."""
+        if self.persistence is None:
+            if on_saved is not None:
+                on_saved(None)
+            return
+        self._submit(session, self.persistence.known(session.session_id), on_saved=on_saved)
 
-    def adopt(self, capture: SessionCapture) -> str:
-        """A new session (new id, the capture's owner) holding a restored capture; returns its id."""
-        with self.lock:
-            self.expire()
-            self._make_room()
-            return self._add(self.engine.load_sequence(capture.image), capture.ttl_s, capture.owner).session_id
+    def _submit(self, session: _Session, known: Known, *, final: bool = False,
+                on_saved: Callable[[Exception | None], None] | None = None) -> None:
+        assert self.persistence is not None
+        try:
+            capture = self._capture(session, known)
+        except KilnError as error:  # its previous capture stays queued or saved
+            logger.warning("capturing session %s failed: %s", session.session_id, error)
+            capture = None
+            if on_saved is not None:
+                on_saved(error)
+                return
+        if capture is not None:
+            self.persistence.submit(capture, final=final, on_saved=on_saved)
+        elif on_saved is not None:
+            on_saved(None)
 
-    def _capture(self, session: _Session, known: dict[PageKey, int]) -> SessionCapture:
-        image = self.engine.capture_sequence(session.seq, known)
-        return SessionCapture(session.session_id, session.owner, session.ttl_s, session.created_at, image)
-
-    def _keep(self, session: _Session) -> None:
-        """A session leaving memory by eviction: queue its save (a failed session is not kept)."""
-        if self.persistence is not None and session.failure is None:
-            self.persistence.keep(self._capture(session, {}))
-
-    def _revive(self, session_id: str, owner: str | None) -> _Session | None:
-        """An evicted or pre-restart session back from its snapshot, under its own id; None if it has
-        none (or is another owner's, or was closed)."""
-        ended = self._ended.get(session_id)
-        if self.persistence is None or (ended is not None and ended[1] == "closed"):
+    def _capture(self, session: _Session, known: Known) -> SessionCapture | None:
+        """The session's history and K/V. A failed session's K/V is suspect: its history alone (K/V
+        recomputed on restore), unless the failure is a history that shrank (then nothing: the last
+        good snapshot stays)."""
+        if session.failure is None:
+            image = self.engine.capture_sequence(session.seq, known.pages)
+        elif session.failure.kind == "inv2":
             return None
-        capture = self.persistence.load(session_id, owner)
-        if capture is None:
-            return None
-        self._make_room()
-        seq = self.engine.load_sequence(capture.image)
-        self._ended.pop(session_id, None)
-        return self._add(seq, capture.ttl_s, owner, session_id, capture.created_at)
+        else:
+            known = Known.nothing()
+            policy = self.engine.sequence_kv(session.seq).policy
+            image = KVImage(list(session.seq.tokens), 0, policy, [[] for _ in self.engine.kv_layout.groups], {})
+        return SessionCapture(session.session_id, session.owner, session.ttl_s, session.created_at, image, known)
+
+    def _keep_up(self) -> None:
+        """The keeper thread: captures again, whole, an idle session whose queued capture names pages
+        the store lost (a missing blob), so its save goes through without waiting for its next turn."""
+        assert self.persistence is not None
+        while not self._stopped.is_set():
+            self.persistence.wait_for_stale(KEEPER_PERIOD_S)
+            for session_id in self.persistence.stale_sessions():
+                with self.lock:
+                    session = self._sessions.get(session_id)
+                    if session is None or not self._idle(session):
+                        continue  # its next change or its eviction captures it
+                    session.busy = True
+                try:
+                    self._persist(session)
+                finally:
+                    self._unclaim(session)
 
     # ---- internals --------------------------------------------------------------------------------
 
-    def _make_room(self, keep: _Session | None = None) -> None:
-        while len(self._sessions) >= self.max_sessions:
-            if not self._evict_lru("lru", keep=keep):
-                raise ResourceExhaustedError(f"{self.max_sessions} sessions are live and none is idle")
-
     def _add(self, seq: Sequence, ttl_s: float, owner: str | None, session_id: str | None = None,
-             created_at: float | None = None) -> _Session:
+             created_at: float | None = None, claim: bool = True) -> _Session:
+        """A new live session, claimed for its first capture when persistence is on (`_persisted`);
+        an invariant violation is recorded on it (the caller raises it)."""
         session = _Session(session_id or secrets.token_urlsafe(16), owner, seq, ttl_s, last_used=self._clock())
         if created_at is not None:
             session.created_at = created_at
         session.history_mark = len(seq.tokens)
+        session.busy = claim and self.persistence is not None
         self._sessions[session.session_id] = session
         self.outcomes["created"] += 1
         self._check(session)
-        return session
-
-    def _get(self, session_id: str, owner: str | None, idle: bool = False) -> _Session:
-        self.expire()
-        session = self._sessions.get(session_id) if isinstance(session_id, str) else None
-        if session is None and isinstance(session_id, str):
-            session = self._revive(session_id, owner)
-        if session is None or session.owner != owner:
-            ended = self._ended.get(session_id) if session is None and isinstance(session_id, str) else None
-            why = ended[1] if ended is not None and ended[0] == owner else "does not exist"  # others learn nothing
-            raise NotFoundError(f"session {_shown(session_id)} {why}")
-        if session.failure is not None:
-            raise FailedPreconditionError(f"session {session_id} failed: {session.failure}")
-        if idle and session.active is not None:
-            raise FailedPreconditionError(f"session {session_id} already has a generate in flight")
         return session
 
     def _end(self, session: _Session, why: str) -> None:
@@ -304,18 +553,15 @@ class SessionStore:
         self._ended[session.session_id] = (session.owner, why)
         while len(self._ended) > TOMBSTONES:
             self._ended.popitem(last=False)
-        self.engine.release_sequence(session.seq)  # at once, or when its request ends
-        if session.active is not None:
-            self.engine.cancel(session.active)
 
     def _touch(self, session: _Session) -> None:
         session.last_used = self._clock()
         if session.session_id in self._sessions:
             self._sessions.move_to_end(session.session_id)
 
-    def _check(self, session: _Session) -> None:
+    def _check(self, session: _Session) -> InvariantViolation | None:
         """INV-1 (tokens and K/V agree) and INV-2 (the history only grows); a violation fails the
-        session, is counted by kind and propagates as a typed error."""
+        session and is counted by kind, and returned (the caller raises it once the history is safe)."""
         try:
             if len(session.seq.tokens) < session.history_mark:
                 raise InvariantViolation("inv2", f"history shrank from {session.history_mark} to {len(session.seq.tokens)}")
@@ -324,10 +570,9 @@ class SessionStore:
             self.invariant_violations[violation.kind] += 1
             self.outcomes["failed"] += 1
             session.failure = violation
-            raise
+            return violation
         session.history_mark = len(session.seq.tokens)
-        if self.persistence is not None and session.active is None:
-            self.persistence.mark(session.session_id)
+        return None
 
     def _check_length(self, length: int) -> None:
         if length >= self.engine.max_model_len:
@@ -345,6 +590,7 @@ class SessionStore:
     def _info(self, session: _Session) -> SessionInfo:
         usage = session.last_usage
         kv = self.engine.sequence_kv(session.seq)
+        saved = self.persistence.status(session.session_id) if self.persistence is not None else None
         return SessionInfo(
             session_id=session.session_id,
             history_tokens=len(session.seq.tokens),
@@ -365,7 +611,38 @@ class SessionStore:
             tier_bytes_per_token=self.engine.tier_bytes_per_token,
             host_tier_bytes=kv.tier_bytes["host"],
             disk_tier_bytes=kv.tier_bytes["disk"],
+            unsaved_changes=saved.unsaved_changes if saved else False,
+            last_saved_at=saved.last_saved_at if saved else None,
+            save_failures=saved.save_failures if saved else 0,
         )
+
+
+class _Finish:
+    """A turn's finish under durable_turns: sent once the turn is saved and its session is free for the
+    next call, whichever comes last. A failed save sends an error finish (the tokens are in the history;
+    the saver keeps retrying)."""
+
+    def __init__(self, emit: Callable[[Event], None], event: FinishEvent) -> None:
+        self._emit = emit
+        self._event = event
+        self._lock = threading.Lock()
+        self._waiting = 2
+
+    def saved(self, error: Exception | None) -> None:
+        if error is not None:
+            self._event = FinishEvent("error", self._event.usage, error=UnavailableError(
+                f"the turn is in the session's history but its save failed (retried in the background): {error}"))
+        self._arrive()
+
+    def idle(self) -> None:
+        self._arrive()
+
+    def _arrive(self) -> None:
+        with self._lock:
+            self._waiting -= 1
+            ready = self._waiting == 0
+        if ready:
+            self._emit(self._event)
 
 
 def _shown(session_id: object, limit: int = 64) -> str:

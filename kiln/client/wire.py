@@ -142,7 +142,9 @@ def schema_text(schema: object) -> str | None:
 
 
 def session_info(reply: pb.SessionInfo) -> SessionInfo:
-    return SessionInfo(**{f.name: getattr(reply, f.name) for f in fields(SessionInfo)})
+    """Fields the wire does not carry (yet: the persistence status) keep their defaults."""
+    carried = reply.DESCRIPTOR.fields_by_name
+    return SessionInfo(**{f.name: getattr(reply, f.name) for f in fields(SessionInfo) if f.name in carried})
 
 
 def snapshot_info(reply: pb.SnapshotInfo) -> SnapshotInfo:

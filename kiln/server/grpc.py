@@ -278,7 +278,9 @@ def _generate_request(request: pb.GenerateRequest) -> GenerateRequest:
 
 
 def _session_info(info: SessionInfo) -> pb.SessionInfo:
-    return pb.SessionInfo(**asdict(info))
+    """The fields the wire contract carries (the persistence status is not in runtime.proto yet)."""
+    known = pb.SessionInfo.DESCRIPTOR.fields_by_name
+    return pb.SessionInfo(**{name: value for name, value in asdict(info).items() if name in known})
 
 
 def _snapshot_info(info: SnapshotInfo) -> pb.SnapshotInfo:

@@ -36,7 +36,7 @@ def generated(session, **options) -> list[int]:
 
 def pages_of(llm, session_id: str) -> dict:
     """The session's page bytes by (group, index), read through a capture."""
-    capture = llm.sessions.capture(session_id, None, {})
+    capture = llm.sessions.capture(session_id, None)
     return {key: block.clone() for key, block in capture.image.blocks.items()}
 
 
@@ -179,9 +179,9 @@ def test_graceful_close_saves_sessions_that_never_generated(tiny_loaded, tmp_pat
 def test_another_owner_sees_nothing(tiny_llm, tmp_path):
     llm = tiny_llm("llama", snapshot_dir=str(tmp_path))
     session_id = llm.sessions.create(prompt(20), owner="key-a")
-    snapshot_id = llm.persistence.snapshot(session_id, "key-a")
+    snapshot_id = llm.snapshots.snapshot(session_id, "key-a")
     with pytest.raises(NotFoundError):
-        llm.persistence.restore(snapshot_id, "key-b")
+        llm.snapshots.restore(snapshot_id, "key-b")
     with pytest.raises(NotFoundError):
         llm.persistence.delete(snapshot_id, "key-b")
     assert [s.snapshot_id for s in llm.persistence.list("key-a")] == [snapshot_id]
@@ -312,6 +312,7 @@ def test_a_full_disk_fails_the_save_not_the_session(tiny_llm, tmp_path, monkeypa
 def test_redis_going_away_fails_the_save_not_the_session(tiny_llm, redis_server, tmp_path):
     own = RedisProcess(tmp_path)
     llm = tiny_llm("llama", snapshot_store=own.url)
+    llm.persistence.close_timeout_s = 1.0  # the store stays down: closing gives up on this session's last turn
     session = llm.create_session(prompt(40))
     generated(session, max_tokens=2)
     assert session.snapshot()
