@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 
 from kiln.chat import reply_prefix, turn_closer, turn_text
@@ -88,6 +89,7 @@ def _llm(args: argparse.Namespace) -> LLM:
         "snapshot_dir": args.snapshot_dir,
         "snapshot_store": args.snapshot_store,
         "durable_turns": args.durable_turns,
+        "instance_id": getattr(args, "instance_id", None),
     }
     if args.kv_budget_mb:
         options["kv_budget_bytes"] = args.kv_budget_mb * 1024**2
@@ -190,6 +192,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise InvalidArgumentError("--no-persist contradicts --snapshot-dir / --snapshot-store")
     elif not args.snapshot_store and not args.snapshot_dir:
         args.snapshot_dir = str(default_directory())  # a server persists sessions unless told not to
+    if args.instance_id is None:  # stable across restarts: a restarted server takes its sessions back at once
+        args.instance_id = f"{socket.gethostname()}-{args.host}-{args.grpc_port}"
     with _llm(args) as llm:
         try:
             serve(llm, options)
@@ -226,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="largest request body (HTTP) or message (gRPC) accepted, bytes")
     serve.add_argument("--served-model-name", action="append", default=[],
                        help="another id the OpenAI API accepts and lists for the model (repeatable)")
+    serve.add_argument("--instance-id", default=None,
+                       help="this server's name among those sharing the snapshot store (default: host and gRPC address)")
     serve.add_argument("--no-persist", action="store_true",
                        help=f"keep sessions in memory only (default: persist them in {default_directory()})")
     serve.set_defaults(run=cmd_serve)

@@ -80,6 +80,9 @@ class EngineConfig:
     # A turn's finish is sent only once the turn is saved (kiln/snapshots/persistence.py's durability
     # rule): no acknowledged turn is lost to a crash, at the cost of a save's latency per turn.
     durable_turns: bool = False
+    # This server's name among those sharing a snapshot store (kiln/snapshots/ownership.py): unique among
+    # live ones; a restart under the same id takes over its sessions at once. None: random per LLM.
+    instance_id: str | None = None
 
     def __post_init__(self) -> None:
         problems = []

@@ -19,6 +19,7 @@ from kiln.errors import FailedPreconditionError, InvalidArgumentError, KilnError
 from kiln.models.loader import LoadedModel, load_model
 from kiln.results import SessionInfo, SnapshotInfo, Usage
 from kiln.sessions import SessionStore
+from kiln.snapshots.ownership import Ownership
 from kiln.snapshots.persistence import Persistence
 from kiln.snapshots.store import open_store
 from kiln.text import TextDeltas
@@ -48,8 +49,12 @@ class LLM:
         self.loaded = loaded or load_model(self.config.model, cache_dir=cache_dir)
         self.engine = Engine(self.config, self.loaded)
         target = self.config.snapshot_store or self.config.snapshot_dir
-        self.persistence = Persistence(open_store(target), self.engine) if target else None
+        self.persistence = self._persistence(target) if target else None
         self.sessions = SessionStore(self.engine, self.config.max_sessions, self.config.session_ttl_s, self.persistence)
+
+    def _persistence(self, target: str) -> Persistence:
+        store = open_store(target)
+        return Persistence(store, self.engine, Ownership(store, self.config.instance_id))
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -14,6 +14,10 @@ by the thread that made it and queued before the change is acknowledged (see Per
 rule); eviction captures the session whole and queues it before its pages go; a call on an evicted (or,
 after a restart, unknown) id brings it back from its queued capture or snapshot; close deletes the
 snapshot first and ends the session only if that worked (else UnavailableError, nothing changed).
+A session live here is leased to this process in the store (kiln/snapshots/ownership.py), taken before it
+comes to life (create, fork, restore, revive; FailedPreconditionError if another server holds it) and
+handed off after its last save; a session whose lease was lost is dropped here at its next call
+(FailedPreconditionError: it moved to another server).
 
 Locks (docs/architecture.md § Locks): the store lock guards the session table and is held for
 bookkeeping only; the lock order is store, then engine. Whatever is slow happens outside it on a session
@@ -43,12 +47,14 @@ from kiln.errors import (
     InvalidArgumentError,
     InvariantViolation,
     KilnError,
+    LeaseLostError,
     NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
 )
 from kiln.kv.image import KVImage
 from kiln.results import SessionInfo, Usage
+from kiln.snapshots.manifest import SNAPSHOT_ID
 from kiln.snapshots.persistence import Known, MissingPagesError, Persistence, SessionCapture
 
 logger = logging.getLogger(__name__)
@@ -113,15 +119,15 @@ class SessionStore:
         ids = self.engine.validate_tokens(ids)
         ttl = self._check_ttl(ttl_s)
         policy = self.engine.policy(kv_policy, kv_sink_tokens, kv_window_tokens)
-        with self._locked() as leaving:
+        with self._owned_new() as session_id, self._locked() as leaving:
             self._make_room(leaving)
-            session = self._add(self.engine.new_sequence(ids, session=True, policy=policy), ttl, owner)
+            session = self._add(self.engine.new_sequence(ids, session=True, policy=policy), ttl, owner, session_id)
         return self._persisted(session)
 
     def fork(self, session_id: str, at: int | None = None, owner: str | None = None) -> str:
         """A new session whose history is the first `at` tokens (default: all) of this one; it shares
         the pages of those tokens (copy-on-write: shared pages are full and never written)."""
-        with self._locked() as leaving:
+        with self._owned_new() as child_id, self._locked() as leaving:
             parent = self._session(leaving, session_id, owner, idle=True)
             length = len(parent.seq.tokens)
             at = length if at is None else at
@@ -129,7 +135,7 @@ class SessionStore:
                 raise InvalidArgumentError(f"fork position must be in [0, {length}], got {at!r}")
             self._make_room(leaving, keep=parent)
             self._touch(parent)
-            child = self._add(self.engine.fork_sequence(parent.seq, at), parent.ttl_s, owner)
+            child = self._add(self.engine.fork_sequence(parent.seq, at), parent.ttl_s, owner, child_id)
         return self._persisted(child)
 
     def close(self, session_id: str, owner: str | None = None) -> None:
@@ -145,6 +151,8 @@ class SessionStore:
             self.persistence.delete_session(session_id)
         except BaseException as error:
             self._unclaim(session)
+            if isinstance(error, LeaseLostError):
+                raise FailedPreconditionError(f"session {session_id} moved to another server; close it there") from error
             if isinstance(error, KilnError):
                 raise UnavailableError(f"session {session_id} was not closed, deleting its snapshot failed "
                                        f"(retry the close): {error}") from error
@@ -329,13 +337,28 @@ class SessionStore:
         """A new session (new id, the capture's owner) holding a capture's history and K/V."""
         seq = self.engine.load_sequence(capture.image)
         try:
-            with self._locked() as leaving:
+            with self._owned_new() as session_id, self._locked() as leaving:
                 self._make_room(leaving)
-                session = self._add(seq, capture.ttl_s, capture.owner)
+                session = self._add(seq, capture.ttl_s, capture.owner, session_id)
         except BaseException:
             self.engine.release_sequence(seq)
             raise
         return self._persisted(session)
+
+    @contextmanager
+    def _owned_new(self) -> Iterator[str]:
+        """A fresh session id, leased to this process (with persistence) before the session exists; the
+        lease goes back if the session is not made."""
+        session_id = secrets.token_urlsafe(16)
+        if self.persistence is None:
+            yield session_id
+            return
+        self.persistence.ownership.acquire(session_id)
+        try:
+            yield session_id
+        except BaseException:
+            self.persistence.ownership.release(session_id)
+            raise
 
     def _snapshots(self) -> Persistence:
         if self.persistence is None:
@@ -421,6 +444,10 @@ class SessionStore:
                 ended = self._ended.get(session_id) if session is None and isinstance(session_id, str) else None
                 why = ended[1] if ended is not None and ended[0] == owner else "does not exist"  # others learn nothing
                 raise NotFoundError(f"session {_shown(session_id)} {why}")
+            if self.persistence is not None and self.persistence.ownership.lost(session_id) and not session.busy:
+                self._end(session, "moved to another server")
+                self.engine.release_sequence(session.seq)
+                raise FailedPreconditionError(f"session {session_id} moved to another server (this one lost its lease)")
             if session.failure is not None:
                 raise FailedPreconditionError(f"session {session_id} failed: {session.failure}")
             if idle and session.active is not None:
@@ -441,7 +468,7 @@ class SessionStore:
         self._transit.add(session_id)
         self.lock.release()
         try:
-            capture = self.persistence.load(session_id, owner)
+            capture = self._load_owned(session_id, owner)
             seq = self.engine.load_sequence(capture.image) if capture is not None else None
         finally:
             self.lock.acquire()
@@ -456,6 +483,23 @@ class SessionStore:
             raise
         self._ended.pop(session_id, None)
         return self._add(seq, capture.ttl_s, owner, session_id, capture.created_at, claim=False)
+
+    def _load_owned(self, session_id: str, owner: str | None) -> SessionCapture | None:
+        """Lease the session to this process, then load it (the last owner handed it off after its final
+        save, so the load is its newest state); the lease goes back if there is nothing to load."""
+        assert self.persistence is not None
+        if not SNAPSHOT_ID.fullmatch(session_id):
+            return None
+        ownership = self.persistence.ownership
+        ownership.acquire(session_id)
+        try:
+            capture = self.persistence.load(session_id, owner)
+        except BaseException:
+            ownership.release(session_id)
+            raise
+        if capture is None:
+            ownership.release(session_id)
+        return capture
 
     def _unclaim(self, session: _Session) -> None:
         with self.lock:

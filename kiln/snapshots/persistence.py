@@ -45,7 +45,7 @@ from typing import TypeVar
 import torch
 
 from kiln.engine.engine import Engine
-from kiln.errors import FailedPreconditionError, KilnError, NotFoundError, UnavailableError
+from kiln.errors import FailedPreconditionError, KilnError, LeaseLostError, NotFoundError, UnavailableError
 from kiln.kv.image import KVImage, PageKey
 from kiln.results import SnapshotInfo
 from kiln.snapshots import blobs
@@ -59,8 +59,9 @@ from kiln.snapshots.manifest import (
     owner_digest,
     session_snapshot_id,
 )
+from kiln.snapshots.ownership import Ownership
 from kiln.snapshots.restore import engine_shape, fetch
-from kiln.snapshots.store import SaveReport, SnapshotStore
+from kiln.snapshots.store import Lease, SaveReport, SnapshotStore
 
 logger = logging.getLogger(__name__)
 HASH_THREADS = 2  # hashing and zstd release the GIL: pages of one save are encoded in parallel
@@ -149,7 +150,8 @@ class _Job:
 
     capture: SessionCapture
     changed_at: float  # monotonic time of the oldest change it holds that no save has written
-    final: bool = False  # the session left memory with this capture
+    final: bool = False  # the session left memory with this capture: its lease goes once it is saved
+    claim: int = 0  # the lease claim a final save hands off (Ownership.release)
     waiters: list[Waiter] = field(default_factory=list)
     due: float = 0.0  # monotonic time before which it is not tried (backoff after a failure)
     failures: int = 0
@@ -168,10 +170,11 @@ class _Record:
 
 
 class Persistence:
-    def __init__(self, store: SnapshotStore, engine: Engine, backoff: Backoff | None = None,
-                 close_timeout_s: float = 30.0) -> None:
+    def __init__(self, store: SnapshotStore, engine: Engine, ownership: Ownership | None = None,
+                 backoff: Backoff | None = None, close_timeout_s: float = 30.0) -> None:
         self.store = store
         self.engine = engine
+        self.ownership = ownership or Ownership(store)  # the leases that fence this process's session saves
         self.backoff = backoff or Backoff()
         self.close_timeout_s = close_timeout_s  # how long `close` keeps retrying saves that fail
         self.stats = SnapshotStats()
@@ -254,7 +257,8 @@ class Persistence:
             refused = session_id in self._closed or self._stopping
             if not refused:
                 older = self._jobs.get(session_id)
-                job = _Job(capture, older.changed_at if older else time.monotonic(), final, waiters)
+                job = _Job(capture, older.changed_at if older else time.monotonic(), final,
+                           self.ownership.claim(session_id) if final else 0, waiters)
                 if older is not None:
                     job.waiters[:0] = older.waiters
                 self._jobs[session_id] = job
@@ -302,7 +306,7 @@ class Persistence:
             while self._inflight is not None and self._inflight.session_id == session_id:
                 self._cond.wait()
         try:
-            self.store.delete_manifest(session_snapshot_id(session_id))
+            self.store.delete_manifest(session_snapshot_id(session_id), fence=self._fence(session_id))
         except BaseException:
             with self._cond:
                 self._deleting.discard(session_id)
@@ -317,6 +321,7 @@ class Persistence:
             while len(self._closed) > CLOSED_REMEMBERED:
                 self._closed.popitem(last=False)
             self._cond.notify_all()
+        self.ownership.release(session_id)
         _tell(job.waiters if job else [], None)
 
     def status(self, session_id: str) -> SaveStatus:
@@ -390,6 +395,9 @@ class Persistence:
             self._cond.notify_all()
         self._worker.join()
         self._pool.shutdown()
+        for session_id in set(self.ownership.held()) - set(left):  # saved: handed off
+            self.ownership.release(session_id)
+        self.ownership.close()
         self.store.close()
         if left:
             logger.error("persistence closed with %d sessions unsaved (the store kept failing): %s", len(left), ", ".join(left))
@@ -461,20 +469,29 @@ class Persistence:
             job.attempted = self._attempts
             record = self._records.setdefault(session_id, _Record())
             waiters, job.waiters = job.waiters, []
+            handed_off = error is None and job.final and session_id not in self._jobs
             if error is None:
                 record.last_saved_at, record.failures = time.time(), 0
-                if job.final and session_id not in self._jobs:  # saved as it left memory: nothing to report
+                if handed_off:  # saved as it left memory: nothing to report
                     self._records.pop(session_id, None)
             else:
                 record.failures += 1
-                self._requeue(job, error)
+                waiters += self._requeue(job, error)
             self._cond.notify_all()
+        if handed_off:
+            self.ownership.release(session_id, job.claim)
         _tell(waiters, error)
 
-    def _requeue(self, job: _Job, error: Exception) -> None:
+    def _requeue(self, job: _Job, error: Exception) -> list[Waiter]:
         """A failed job stays queued unless a newer capture of its session replaced it meanwhile (which
-        then holds its changes too) or the session was closed."""
+        then holds its changes too) or the session was closed. A refused lease drops the session's queue:
+        it is owned elsewhere now and this process never writes it again. Returns waiters to tell."""
         newer = self._jobs.get(job.session_id)
+        if isinstance(error, LeaseLostError):
+            self._jobs.pop(job.session_id, None)
+            self.ownership.mark_lost(job.session_id)
+            logger.error("session %s moved to another server; its unsaved changes here are dropped", job.session_id)
+            return newer.waiters if newer is not None else []
         if newer is not None:
             newer.changed_at = min(newer.changed_at, job.changed_at)
         elif job.session_id not in self._closed:
@@ -484,6 +501,7 @@ class Persistence:
             self._jobs[job.session_id] = job
             if job.stale:
                 self._stale.set()
+        return []
 
     # ---- save and fetch -----------------------------------------------------------------------------
 
@@ -493,14 +511,15 @@ class Persistence:
         epoch), its full pages' digests are memoised so the next capture neither copies nor hashes them."""
         started = time.perf_counter()
         try:
+            fence = self._fence(capture.session_id) if kind == KIND_SESSION else None
             try:
-                report, digests = self._write(capture, snapshot_id, kind)
-            except MissingPagesError:
+                report, digests = self._write(capture, snapshot_id, kind, fence)
+            except (MissingPagesError, LeaseLostError):
                 raise
             except FailedPreconditionError:
                 with self._cond:
                     self._forget(capture.session_id)
-                report, digests = self._write(capture, snapshot_id, kind)
+                report, digests = self._write(capture, snapshot_id, kind, fence)
         except KilnError as error:
             with self._cond:
                 self.stats.save_failures[error.code] += 1
@@ -524,7 +543,15 @@ class Persistence:
         """The store lost pages this session's memo names: copy and write them again from now on."""
         self._drop_memo(session_id)
 
-    def _write(self, capture: SessionCapture, snapshot_id: str, kind: str) -> tuple[SaveReport, dict[PageKey, str]]:
+    def _fence(self, session_id: str) -> Lease:
+        """This process's lease on a session: its snapshot is written (or deleted) only under it."""
+        lease = self.ownership.fence(session_id)
+        if lease is None:
+            raise LeaseLostError(f"session {session_id} is not leased to this server (it moved to another)")
+        return lease
+
+    def _write(self, capture: SessionCapture, snapshot_id: str, kind: str,
+               fence: Lease | None) -> tuple[SaveReport, dict[PageKey, str]]:
         image = capture.image
         keys = list(image.blocks)
         digests = dict(zip(keys, self._map(lambda key: blobs.digest(_buffer(image.blocks[key])), keys), strict=True))
@@ -551,7 +578,7 @@ class Persistence:
             token_ids=tuple(image.tokens), num_computed=image.num_computed, groups=groups,
             session_created_at=capture.created_at,
         )
-        return self.store.save(manifest, compressed), digests
+        return self.store.save(manifest, compressed, fence=fence), digests
 
     def _map(self, fn: Callable[[T], R], items: list[T]) -> list[R]:
         """fn over items on the encoding threads, in about one batch per thread (a future per page would

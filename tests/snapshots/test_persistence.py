@@ -131,12 +131,13 @@ def _blobs(root: Path) -> set[str]:
 
 
 def test_sessions_come_back_after_a_restart_with_id_owner_and_history(tiny_llm, tmp_path):
-    llm = tiny_llm("llama", speculative=None, snapshot_dir=str(tmp_path))
+    options = {"speculative": None, "snapshot_dir": str(tmp_path), "instance_id": "node-1"}
+    llm = tiny_llm("llama", **options)
     session = llm.create_session(prompt(50))
     first = generated(session)
     llm.persistence.flush()
     history = session.tokens
-    after = tiny_llm("llama", speculative=None, snapshot_dir=str(tmp_path))  # another process, same directory
+    after = tiny_llm("llama", **options)  # the same server restarted (after a kill -9: it never handed off)
     back = after.get_session(session.id)
     assert back.tokens == history and back.info().computed_tokens == len(history) - 1
     assert generated(back) == generated(session)
@@ -187,7 +188,7 @@ def test_another_owner_sees_nothing(tiny_llm, tmp_path):
     assert [s.snapshot_id for s in llm.persistence.list("key-a")] == [snapshot_id]
     assert llm.persistence.list("key-b") == []
     assert "key-a" not in (tmp_path / "manifests" / f"{snapshot_id}.json").read_text()
-    llm.persistence.flush()
+    llm.close()  # hands the session off
     other = tiny_llm("llama", snapshot_dir=str(tmp_path))
     with pytest.raises(NotFoundError):
         other.sessions.info(session_id, "key-b")

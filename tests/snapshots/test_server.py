@@ -1,6 +1,7 @@
 """Persistence through real `kiln serve` processes: sessions survive a kill -9 and a graceful restart with
 their id and history, and continue bit-identically; checkpoints over gRPC and REST, scoped to their key;
-a corrupt blob is refused while the server keeps serving; two servers share one Redis."""
+a corrupt blob is refused while the server keeps serving; two servers share one Redis, one owner per live
+session (FAILED_PRECONDITION elsewhere until it is handed off)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def wait_saved(root: Path, session_id: str, history: int) -> None:
 
 
 def test_sessions_survive_kill_9_and_graceful_restarts_bit_exactly(model, tmp_path):
-    store = ("--snapshot-dir", str(tmp_path))
+    """One instance id across the restarts: each new process takes over its predecessor's leases at once."""
+    store = ("--snapshot-dir", str(tmp_path), "--instance-id", "node-1")
     first = serve(model, *store)
     with Client(first.grpc_address) as client:
         greedy, seeded = client.create_session(PROMPT), client.create_session(PROMPT)
@@ -158,5 +160,10 @@ def test_two_servers_share_one_redis(model, redis_url):
         moved = b.restore_session(snapshot_id)
         assert moved.info().computed_tokens == len(PROMPT) + N - 1  # K/V came over, nothing recomputed
         assert tokens(moved, **GREEDY) == tokens(session, **GREEDY)
-    one.stop()
+        with pytest.raises(FailedPreconditionError, match="live on another server"):  # one owner at a time
+            b.get_session(session.id)
+        history = session.info().history_tokens
+    one.stop()  # graceful: saves every session, then hands it off
+    with Client(two.grpc_address) as b:
+        assert b.get_session(session.id).info().history_tokens == history
     two.stop()
