@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: run chat test test-ts peer-test bench lint setup model proto redis clean
+.PHONY: run chat test test-ts peer-test fault soak bench lint setup model proto redis clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -31,6 +31,13 @@ test: model redis
 	$(BIN)/ruff check kiln tests bench peer
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-ts
+
+fault: model redis  ## fault injection against real `kiln serve`s, KILN_FAULT_TRIALS kill trials per test (make test runs 20 in all)
+	KILN_FAULT_TRIALS=$${KILN_FAULT_TRIALS:-40} $(BIN)/python -m pytest -q -s tests/fault --ignore=tests/fault/test_soak.py
+
+soak: model  ## 16 agents for 30 minutes against a restarted `kiln serve` -> bench/results/soak.{json,png} (make test: 3 minutes)
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,bench]'
+	$(BIN)/python bench/soak.py --minutes $${SOAK_MINUTES:-30}
 
 test-ts: setup  ## the TypeScript SDK: node_modules from its lockfile, then its tests against a tiny `kiln serve`
 	cd sdk/typescript && npm ci --no-audit --no-fund && npm test
