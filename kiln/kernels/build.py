@@ -47,7 +47,9 @@ SOURCE_DIR = Path(__file__).parent
 # No -fopenmp: the kernels run on their own thread pool (pool.h), and a compiler without OpenMP builds them.
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off")
 LDFLAGS: tuple[str, ...] = ()
-BUILD_WAIT_S = 300.0  # longest wait for another live process's build before building here too
+# Longest wait for another live process's build before building here too: far longer than a build takes,
+# even on a busy machine, so only a holder that is stuck (stopped, hung) is given up on.
+BUILD_WAIT_S = 1200.0
 _FORMAT = b"kiln-kernels/2"  # the layout above; a change of it is a new digest
 
 
