@@ -89,12 +89,12 @@ class EngineConfig:
         for name in ("kv_budget_bytes", "max_num_seqs", "max_batched_tokens", "prefill_chunk_tokens", "max_sessions"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive")
-        if self.dtype not in DTYPES:
-            problems.append(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.kv_dtype not in (None, "auto", *DTYPES):
         if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size not in PAGE_SIZES:
             problems.append(f"page_size must be one of {', '.join(map(str, PAGE_SIZES))} (the attention kernels' page sizes), "
                             f"got {self.page_size!r}")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_dtype not in (None, "auto", *DTYPES):
             problems.append(f"kv_dtype must be one of {sorted(DTYPES)}, 'auto' or None, got {self.kv_dtype!r}")
         on_cpu = self.device.split(":")[0] == "cpu"
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -103,12 +103,12 @@ class EngineConfig:
             object.__setattr__(self, "quantization", "int8" if on_cpu and self.dtype == "float32" and kernels_supported() else None)
         elif self.quantization is not None and on_cpu and self.dtype != "float32":
             problems.append(f"quantization {self.quantization!r} on the CPU takes float32 activations; got dtype {self.dtype!r}")
-        if self.kv_dtype == "auto":
-            object.__setattr__(self, "kv_dtype", "float16" if on_cpu and self.quantization is not None else None)
-        if not isinstance(self.deterministic, bool):
         elif self.quantization is not None and on_cpu and not kernels_supported():
             problems.append(f"quantization {self.quantization!r} runs on Kiln's CPU kernels, which are unavailable here "
                             f"({kernels_unavailable_reason()}); use quantization None or 'auto'")
+        if self.kv_dtype == "auto":
+            object.__setattr__(self, "kv_dtype", "float16" if on_cpu and self.quantization is not None else None)
+        if not isinstance(self.deterministic, bool):
             problems.append(f"deterministic must be a boolean, got {self.deterministic!r}")
         elif self.deterministic and (not on_cpu or self.dtype != "float32" or self.kv_dtype == "bfloat16" or not kernels_supported()):
             problems.append(
