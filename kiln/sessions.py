@@ -146,7 +146,7 @@ class SessionStore:
             if self.persistence is None:
                 self._close(session, "closed")
                 return
-            self._claim_quiet(leaving, session, session_id, owner)
+            session = self._claim_quiet(leaving, session, session_id, owner)
         try:
             self.persistence.delete_session(session_id)
         except BaseException as error:
@@ -163,8 +163,9 @@ class SessionStore:
                 self._close(session, "closed")
             self._changed.notify_all()
 
-    def _claim_quiet(self, leaving: list[_Session], session: _Session, session_id: str, owner: str | None) -> None:
-        """Claim a session once its generate (cancelled here) has ended and no other call works on it."""
+    def _claim_quiet(self, leaving: list[_Session], session: _Session, session_id: str, owner: str | None) -> _Session:
+        """Claim a session (returned) once its generate (cancelled here) has ended and no other call works
+        on it."""
         deadline = time.monotonic() + STOP_WAIT_S
         while session.active is not None or session.busy:
             if session.active is not None:
@@ -175,6 +176,7 @@ class SessionStore:
             self._changed.wait(remaining)
             session = self._session(leaving, session_id, owner)  # NotFoundError if it ended meanwhile
         session.busy = True
+        return session
 
     def _close(self, session: _Session, why: str) -> None:
         self._end(session, why)
