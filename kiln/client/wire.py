@@ -142,9 +142,13 @@ def schema_text(schema: object) -> str | None:
 
 
 def session_info(reply: pb.SessionInfo) -> SessionInfo:
-    """Fields the wire does not carry (yet: the persistence status) keep their defaults."""
-    carried = reply.DESCRIPTOR.fields_by_name
-    return SessionInfo(**{f.name: getattr(reply, f.name) for f in fields(SessionInfo) if f.name in carried})
+    """Every field as sent; an unset optional field (last_saved_at: never saved) is None."""
+    return SessionInfo(**{f.name: getattr(reply, f.name) if _present(reply, f.name) else None for f in fields(SessionInfo)})
+
+
+def _present(reply: pb.SessionInfo, name: str) -> bool:
+    field = reply.DESCRIPTOR.fields_by_name[name]
+    return not field.has_presence or reply.HasField(name)
 
 
 def snapshot_info(reply: pb.SnapshotInfo) -> SnapshotInfo:

@@ -278,9 +278,7 @@ def _generate_request(request: pb.GenerateRequest) -> GenerateRequest:
 
 
 def _session_info(info: SessionInfo) -> pb.SessionInfo:
-    """The fields the wire contract carries (the persistence status is not in runtime.proto yet)."""
-    known = pb.SessionInfo.DESCRIPTOR.fields_by_name
-    return pb.SessionInfo(**{name: value for name, value in asdict(info).items() if name in known})
+    return pb.SessionInfo(**asdict(info))  # last_saved_at None leaves the optional field unset
 
 
 def _snapshot_info(info: SnapshotInfo) -> pb.SnapshotInfo:

@@ -74,8 +74,18 @@ class _EngineState(Collector):
         yield CounterMetricFamily("kiln_spec_verify_steps", "Decode rows that carried a draft", value=stats.spec_verify_steps)
         yield _labelled_counter("kiln_cache_invariant_violations", "Cache invariant violations by kind", "kind",
                                 violations, ("inv1", "inv2"))
+        yield CounterMetricFamily("kiln_kv_tier_failed_disk_writes", "Evicted pages the disk tier could not take "
+                                  "(a full or failing disk): they stayed in host memory or resident", value=tiers.failed_disk_writes)
         persistence = self.llm.persistence  # zeros when persistence is off: every series always exists
         yield from _snapshot_counters(persistence.stats if persistence is not None else SnapshotStats())
+        yield GaugeMetricFamily("kiln_snapshot_backlog_seconds", "Age of the oldest session change not yet saved: a crash "
+                                "now loses at most the changes of this many seconds (0: everything is saved)",
+                                value=persistence.backlog_s if persistence is not None else 0.0)
+        yield GaugeMetricFamily("kiln_snapshot_unsaved_sessions", "Sessions with a change queued or being saved",
+                                value=persistence.unsaved_sessions if persistence is not None else 0)
+        yield GaugeMetricFamily("kiln_snapshot_failing_sessions", "Sessions whose last save failed (kept queued and "
+                                "retried with backoff; their histories are never dropped)",
+                                value=persistence.failing_sessions if persistence is not None else 0)
 
 
 def _snapshot_counters(stats: SnapshotStats):  # noqa: ANN202 - metric families

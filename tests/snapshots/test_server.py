@@ -50,6 +50,15 @@ def wait_saved(root: Path, session_id: str, history: int) -> None:
     raise AssertionError(f"session {session_id} was not saved")
 
 
+def saved_info(client: Client, session_id: str):
+    """The session's info once its saver reports no unsaved change (the manifest lands just before)."""
+    deadline = time.monotonic() + 30
+    while (info := client.get_session(session_id).info()).unsaved_changes:
+        assert time.monotonic() < deadline, "the session still reports unsaved changes"
+        time.sleep(0.05)
+    return info
+
+
 def test_sessions_survive_kill_9_and_graceful_restarts_bit_exactly(model, tmp_path):
     """One instance id across the restarts: each new process takes over its predecessor's leases at once."""
     store = ("--snapshot-dir", str(tmp_path), "--instance-id", "node-1")
@@ -61,6 +70,9 @@ def test_sessions_survive_kill_9_and_graceful_restarts_bit_exactly(model, tmp_pa
         histories = {s.id: s.info().history_tokens for s in (greedy, seeded)}
     for session_id, history in histories.items():
         wait_saved(tmp_path, session_id, history)
+    with Client(first.grpc_address) as client:  # the saver's status travels over the wire
+        status = saved_info(client, greedy.id)
+        assert status.save_failures == 0 and time.time() - 60 < status.last_saved_at <= time.time()
     first.process.send_signal(signal.SIGKILL)
     first.process.wait()
 

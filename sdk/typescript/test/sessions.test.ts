@@ -34,6 +34,8 @@ describe("sessions over a real kiln serve", () => {
     assert.deepEqual([info.kvPolicy, info.kvSinkTokens, info.kvWindowTokens], ["restore", 16, 32]);
     assert.ok(info.hostTierBytes > 0, "evicted pages went to the host tier");
     assert.ok(info.tierBytesPerToken > 0 && info.kvBytesPerToken > 0);
+    // persistence is off on this server: nothing pending, never saved (the optional field stays unset)
+    assert.deepEqual([info.unsavedChanges, info.lastSavedAt, info.saveFailures], [false, undefined, 0]);
     await assert.rejects(client.createSession({ tokens: [5], kvPolicy: "lru" as "full" }), InvalidArgumentError);
     await assert.rejects(client.createSession({ tokens: [5], kvWindowTokens: -1 }), InvalidArgumentError);
     await assert.rejects(client.createSession({ tokens: [5], kvPolicy: "restore", kvWindowTokens: 3 }), /kv_window_tokens/);

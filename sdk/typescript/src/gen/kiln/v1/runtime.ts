@@ -110,6 +110,14 @@ export interface SessionInfo {
    * layers keep only their window whatever the policy).
    */
   globalKvBytes: number;
+  /**
+   * Persistence (with a snapshot store): whether a change of this session is not yet in the store,
+   * when it was last saved (Unix seconds; unset: not yet saved, or persistence off), and how many saves
+   * failed since the last one that succeeded (failed saves are retried; the history is never dropped).
+   */
+  unsavedChanges: boolean;
+  lastSavedAt?: number | undefined;
+  saveFailures: number;
 }
 
 /** Token accounting of one Generate. prompt_tokens = reused_tokens + prefilled_tokens. */
@@ -404,6 +412,9 @@ function createBaseSessionInfo(): SessionInfo {
     hostTierBytes: 0,
     diskTierBytes: 0,
     globalKvBytes: 0,
+    unsavedChanges: false,
+    lastSavedAt: undefined,
+    saveFailures: 0,
   };
 }
 
@@ -465,6 +476,15 @@ export const SessionInfo: MessageFns<SessionInfo> = {
     }
     if (message.globalKvBytes !== 0) {
       writer.uint32(216).uint64(message.globalKvBytes);
+    }
+    if (message.unsavedChanges !== false) {
+      writer.uint32(224).bool(message.unsavedChanges);
+    }
+    if (message.lastSavedAt !== undefined) {
+      writer.uint32(233).double(message.lastSavedAt);
+    }
+    if (message.saveFailures !== 0) {
+      writer.uint32(240).uint32(message.saveFailures);
     }
     return writer;
   },
@@ -634,6 +654,30 @@ export const SessionInfo: MessageFns<SessionInfo> = {
             message.globalKvBytes = longToNumber(reader.uint64());
             continue;
           }
+          case 28: {
+            if (tag !== 224) {
+              break;
+            }
+
+            message.unsavedChanges = reader.bool();
+            continue;
+          }
+          case 29: {
+            if (tag !== 233) {
+              break;
+            }
+
+            message.lastSavedAt = reader.double();
+            continue;
+          }
+          case 30: {
+            if (tag !== 240) {
+              break;
+            }
+
+            message.saveFailures = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -670,6 +714,9 @@ export const SessionInfo: MessageFns<SessionInfo> = {
     message.hostTierBytes = object.hostTierBytes ?? 0;
     message.diskTierBytes = object.diskTierBytes ?? 0;
     message.globalKvBytes = object.globalKvBytes ?? 0;
+    message.unsavedChanges = object.unsavedChanges ?? false;
+    message.lastSavedAt = object.lastSavedAt ?? undefined;
+    message.saveFailures = object.saveFailures ?? 0;
     return message;
   },
 };
