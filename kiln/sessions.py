@@ -246,6 +246,10 @@ class SessionStore:
         try:
             if live:
                 self._persist(session, finish.saved if finish else None)
+        except Exception as error:  # a bug queueing the save must not cost the caller its finish event
+            logger.exception("queueing the save of session %s failed", session.session_id)
+            if finish is not None:
+                finish.saved(error)
         finally:
             with self.lock:
                 session.active = None
