@@ -64,7 +64,7 @@ class EngineConfig:
     # Attention dequantises on read.
     kv_codec: str = "none"
     kv_host_budget_mb: int = 2048  # host-memory tier for evicted pages
-    kv_disk_dir: str | None = None  # disk tier (a memory-mapped file in this directory); None = no disk tier
+    kv_disk_dir: str | None = None  # disk tier (one unlinked file in this directory); None = no disk tier
     kv_disk_budget_mb: int = 8192
     kv_stream_chunk_tokens: int = 1024  # keys per chunk of streamed attention: bounds a step's peak memory
     max_model_len: int | None = None  # longest history; None = the model's context length
