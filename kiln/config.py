@@ -26,7 +26,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"  # weights and activations
     # int8 projections and LM head (kiln/models/quant.py). CPU decode is bound by reading weights: int8
-    # reads a quarter of fp32's bytes (embedded model perplexity +0.4 %, bench/weight_formats.py). None is
+    # reads a quarter of fp32's bytes (bench/weight_formats.py measures its speed and perplexity). None is
     # the exact path in `dtype`, the reference of the parity tests. "auto": int8 where Kiln's CPU kernels run
     # (kiln/kernels: an AVX2 CPU, built and loaded) and dtype is float32, else None. "int8" on the CPU without
     # the kernels is refused, naming why they are unavailable.
@@ -49,8 +49,8 @@ class EngineConfig:
     max_num_seqs: int = 32  # requests in one step
     max_batched_tokens: int = 1024  # tokens in one step (decode rows count 1)
     # Most tokens of one prompt a step computes. Longer prompts are prefilled in chunks, so steps stay
-    # short and a request arriving meanwhile gets its first token within about two steps. A 4k prompt
-    # alone took 3 % longer at 256 than at 1024 on the 2-core CPU; bench/prefill_fairness.py compares both.
+    # short and a request arriving meanwhile gets its first token within about two steps, at a small cost
+    # to a long prompt alone (bench/prefill_fairness.py compares chunk sizes).
     prefill_chunk_tokens: int = 256
     # Which K/V of global-attention layers stays resident (kiln/kv/policy.py; overridable per session):
     # "full" keeps all (exact, grows with history); "sink_window" keeps the first kv_sink_tokens and the

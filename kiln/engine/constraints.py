@@ -3,8 +3,8 @@ a Lark grammar, enforced by masking the logits of every token the grammar cannot
 output always parses, even on a small base model.
 
 The work is llguidance's (chosen over xgrammar by measurement on the embedded model's 262,144-token
-vocabulary, see bench/README.md § structured.py: it compiles a schema in about 2 ms, reports
-unsupported schema keywords instead of ignoring them, and brings no dependencies, where xgrammar needs
+vocabulary, see bench/README.md § structured.py: it compiles schemas fast, reports unsupported
+schema keywords instead of ignoring them, and brings no dependencies, where xgrammar needs
 triton and transformers). Three pieces:
 
 - `Constraint`: what the text must match, compared by content.

@@ -10,14 +10,14 @@ kernels/attention.cpp, or gathered into float32 buffers by `load`). Fixed size (
 disk tier is an array of equal slots.
 
 - `none`: the KV dtype, bit for bit; the page is the tensor `[2, slots, page_size, kv_heads, head_dim]`.
-- `int8`: keys and values symmetric 8-bit, scale absmax / 127 per group (~3.8x smaller than float32).
-  One scale per (token, head) let a key's outlier channels swamp the rest: +1.7 % perplexity on the
-  embedded model against +0.00 % with groups of 32 channels (464 tokens of bench/data/perplexity.txt).
+- `int8`: keys and values symmetric 8-bit, scale absmax / 127 per group (about a quarter of float32's
+  bytes). One scale per (token, head) let a key's outlier channels swamp the rest; groups of 32 channels
+  do not (bench/README.md § Design figures).
 - `int4`: values asymmetric 4-bit per group, scale (max - min) / 15 and zero point min (KIVI's value
-  scheme), two codes a byte, the even channel in the low nibble; keys stay 8-bit as in `int8` (~4.7x
-  smaller than float32). KIVI keeps keys 4-bit by quantising them per channel across tokens, which needs
-  a page's tokens all at once; pool pages are written a token at a time, and 4-bit keys per token cost
-  +13.6 % perplexity there (4-bit values: +1.1 %).
+  scheme), two codes a byte, the even channel in the low nibble; keys stay 8-bit as in `int8`. KIVI keeps
+  keys 4-bit by quantising them per channel across tokens, which needs a page's tokens all at once; pool
+  pages are written a token at a time, and 4-bit keys per token cost far more perplexity than 4-bit
+  values (bench/README.md § Design figures).
 
 Dequantising is `code * scale` (+ `zero`, a separately rounded add) in float32, the same operations the
 C++ kernel makes, so every path reads the same values. `max_error` states each format's bound. A lattice

@@ -22,11 +22,9 @@ if TYPE_CHECKING:  # kiln.kv imports the model config, hence this package
     from kiln.kv.step import KVStep
 
 # Steps whose sequences have at most this many queries attend in place (the kernel reads a sequence's keys
-# once per block of its rows; gathering pads every sequence to the step's longest and builds a mask).
-# Measured on the embedded model, one append of R tokens to B sessions of L tokens, gathered against in
-# place: B 1, R 50: 90 vs 83 ms at L 500, 173 vs 171 at 12k (R 16: 81 vs 85 at 12k); B 8, R 50: 635 vs
-# 609 ms at L 800, 746 vs 718 at 3k; and 8 agents' turns, where a step mixes decode rows with appends:
-# 242 vs 116 ms a step. Decode alone: 0.2 vs 0.4 ms at 512 tokens of history.
+# once per block of its rows; gathering pads every sequence to the step's longest and builds a mask). The
+# two cost about the same for one sequence's appends, and in place is far cheaper in agents' steps that mix
+# decode rows with appends (bench/README.md § Design figures).
 IN_PLACE_MAX_ROWS = 64
 
 
