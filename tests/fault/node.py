@@ -73,21 +73,25 @@ class Node:
         return self
 
     def kill(self) -> None:
-        """SIGKILL to this incarnation's PID, then reap it."""
+        """SIGKILL to this incarnation's PID, then reap it; it must still have been running."""
         assert self.server is not None
+        status = self.server.process.poll()
+        assert status is None, f"the server exited on its own (status {status}):\n{self.log()}"
         self.killed_at = time.monotonic()
         os.kill(self.pid, signal.SIGKILL)
         self.server.process.wait()
+
+    def discard(self) -> None:
+        """End this incarnation whatever its state (a test's cleanup)."""
+        if self.server is not None and self.server.process.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+            self.server.process.wait()
 
     def stop(self) -> int:
         """SIGTERM and wait: the exit status."""
         assert self.server is not None
         self.server.stop(timeout=60)
         return self.server.process.returncode
-
-    def restart(self) -> Node:
-        self.kill()
-        return self.start()
 
     def metric(self, sample: str) -> float:
         """One sample of this incarnation's /metrics, by its name and labels as Prometheus writes them

@@ -188,7 +188,7 @@ def run_trials(node: Node, rule: Rule, reference: Reference, count: int, seed: i
             assert not outcome.failures, f"trial {trial} ({kind}):\n" + "\n".join(outcome.failures) + node.log()
             total.add(outcome)
     finally:
-        node.kill()
+        node.discard()
     assert total.acknowledged_turns > count * AGENTS  # the agents got turns done before most kills
     print(f"{count} kill trials: {total.summary()}")
     return total

@@ -61,8 +61,7 @@ def survive_outage(node: Node, reference: Reference, code: str, fail: Callable[[
         assert not outcome.failures, "\n".join(outcome.failures)
         assert outcome.lost_turns == 0 and outcome.acknowledged_turns >= 7 * AGENTS
     finally:
-        if node.server is not None and node.server.process.poll() is None:
-            node.kill()
+        node.discard()
 
 
 def unsaved(node: Node, ledgers: list[Ledger]) -> dict[str, str]:

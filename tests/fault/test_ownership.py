@@ -77,6 +77,5 @@ def test_one_session_is_served_by_one_server_at_a_time(model, tmp_path):
             assert stored[winner.session_id] == winner.tokens(), f"session {winner.session_id} is not the winner's"
     finally:
         for node in (maker, *nodes):
-            if node.server is not None and node.server.process.poll() is None:
-                node.kill()
+            node.discard()
         redis.stop()

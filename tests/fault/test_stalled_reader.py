@@ -57,4 +57,4 @@ def test_stalled_stream_readers_hold_up_no_one(model, tmp_path):
             for ledger in stalled:
                 assert len(client.get_session(ledger.session_id).generate(**GREEDY).result().token_ids) == GREEDY["max_tokens"]
     finally:
-        node.kill()
+        node.discard()
