@@ -432,20 +432,21 @@ class Engine:
 
     def _die(self, error: BaseException) -> None:
         """The loop cannot go on (failing a failed step's requests failed too, so the pages and the
-        scheduler cannot be trusted). Refuse everything from now on, end every open request with an
-        UnavailableError without touching the pool, then tell the failure observers. Never raises."""
+        scheduler cannot be trusted). Refuse everything from now on, tell the failure observers (health and
+        `kiln serve` know before any caller hears of it), then end every open request with an
+        UnavailableError without touching the pool. Never raises."""
         logger.critical("the engine loop died; failing every open request", exc_info=error)
         with self._wake:
             self._failure = error
             observers = list(self._failure_observers)
             self._wake.notify_all()
-        failed = self._outputs.fail_open(self._unavailable())
-        logger.critical("%d open requests ended with UNAVAILABLE", failed)
         for observe in observers:
             try:
                 observe(error)
             except Exception:
                 logger.exception("an engine failure observer raised")
+        failed = self._outputs.fail_open(self._unavailable())
+        logger.critical("%d open requests ended with UNAVAILABLE", failed)
 
     def shutdown(self) -> None:
         """Stop the loop (after the step in flight, whose forward still writes pages), then cancel
