@@ -104,6 +104,7 @@ class Soak:
         self.done = threading.Event()
         self.restarting = False
         self.started = time.monotonic()
+        self.machine = common.machine_info()  # at the start: the load average before the run
         self.counters: dict[str, Counter[str]] = {family: Counter() for family in COUNTED}  # over every incarnation
         self.server = self.start_server()
         self.ready.set()
@@ -350,18 +351,25 @@ class Agent:
 
 
 def sample(soak: Soak) -> None:
-    """Every --sample-s: the server's RSS, resident KV bytes and live sessions."""
+    """Every --sample-s: the server's RSS, its KV pages in use (live sessions' histories) and cached (the
+    prefix index's unreferenced pages, kept until the pool needs them), live sessions, the saver's backlog."""
     while not soak.done.wait(soak.args.sample_s):
         if not soak.ready.is_set():
             continue
         try:
-            text = soak.metrics()
-            row = {"t_s": soak.elapsed(), "rss_bytes": rss_bytes(soak.server.process.pid), "restarts": len(soak.record.restarts),
-                   "kv_bytes": gauge(text, "kiln_kv_bytes"), "sessions": gauge(text, "kiln_sessions_active")}
+            row = kv_sample(soak.metrics())
+            row.update(t_s=soak.elapsed(), rss_bytes=rss_bytes(soak.server.process.pid), restarts=len(soak.record.restarts))
         except (OSError, ValueError):
             continue  # a restart began between the check and the scrape
         with soak.record.lock:
             soak.record.samples.append(row)
+
+
+def kv_sample(text: str) -> dict[str, float]:
+    pages = {state: gauge(text, f'kiln_kv_pages{{state="{state}"}}') for state in ("used", "cached", "free")}
+    page_bytes = gauge(text, "kiln_kv_capacity_bytes") / max(1.0, sum(pages.values()))
+    return {"kv_used_bytes": pages["used"] * page_bytes, "kv_cached_bytes": pages["cached"] * page_bytes,
+            "sessions": gauge(text, "kiln_sessions_active"), "backlog_s": gauge(text, "kiln_snapshot_backlog_seconds")}
 
 
 def rss_bytes(pid: int) -> int:
@@ -427,7 +435,7 @@ def summarize(soak: Soak, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "method": __doc__,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "quick"},
-        "machine": common.machine_info(),
+        "machine": soak.machine,
         "turns": len(record.turns),
         "actions": dict(record.actions),
         "sessions_lost": len(record.lost),
@@ -441,7 +449,9 @@ def summarize(soak: Soak, args: argparse.Namespace) -> dict[str, Any]:
         "session_evictions": dict(soak.counters["kiln_session_evictions"]),
         "snapshot_restores": dict(soak.counters["kiln_snapshot_restores"]),
         "restarts": record.restarts,
-        "rss_growth_after_warmup_bytes": rss_growth(record.samples),
+        "rss_growth_after_warmup_bytes": growth_after_warmup(record.samples, "rss_bytes"),
+        "kv_used_growth_after_warmup_bytes": growth_after_warmup(record.samples, "kv_used_bytes"),
+        "backlog_s_max": max((row["backlog_s"] for row in record.samples), default=None),
         "latency_buckets": latency,
         "samples": record.samples,
     }
@@ -451,14 +461,14 @@ def p99(values: list[float]) -> float:
     return quantiles(values, n=100)[98] if len(values) > 1 else values[0]
 
 
-def rss_growth(samples: list[dict[str, Any]]) -> int | None:
-    """The most any server incarnation's RSS rose from a quarter into its life to its end."""
+def growth_after_warmup(samples: list[dict[str, Any]], key: str) -> float | None:
+    """The most `key` rose in any server incarnation from a quarter into its life to any later sample."""
     growth = None
     for incarnation in {row["restarts"] for row in samples}:
-        rss = [row["rss_bytes"] for row in samples if row["restarts"] == incarnation]
-        if len(rss) >= 4:
-            warm = rss[len(rss) // 4]
-            growth = max(growth or 0, max(rss[len(rss) // 4 :]) - warm)
+        values = [row[key] for row in samples if row["restarts"] == incarnation]
+        if len(values) >= 4:
+            warm = values[len(values) // 4]
+            growth = max(growth or 0, max(values[len(values) // 4 :]) - warm)
     return growth
 
 
@@ -475,7 +485,8 @@ def plot(name: str, result: dict[str, Any]) -> Path | None:
     fig, (memory, latency) = plt.subplots(2, 1, figsize=(10, 8), sharex=True)
     minutes = [row["t_s"] / 60 for row in result["samples"]]
     memory.plot(minutes, [row["rss_bytes"] / 2**20 for row in result["samples"]], label="server RSS (MiB)")
-    memory.plot(minutes, [row["kv_bytes"] / 2**20 for row in result["samples"]], label="resident KV (MiB)")
+    memory.plot(minutes, [row["kv_used_bytes"] / 2**20 for row in result["samples"]], label="KV in use by sessions (MiB)")
+    memory.plot(minutes, [row["kv_cached_bytes"] / 2**20 for row in result["samples"]], label="KV cached, reclaimable (MiB)")
     memory.set(ylabel="MiB", title=f"soak: {result['config']['agents']} agents, {result['turns']} turns, "
                f"{result['sessions_lost']} sessions lost, {len(result['reference_mismatches'])} reference mismatches")
     buckets = result["latency_buckets"]

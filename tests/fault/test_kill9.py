@@ -40,18 +40,18 @@ class GcLoop:
     store: tuple[str, ...]
     halt: threading.Event = field(default_factory=threading.Event)
     current: subprocess.Popen | None = None
-    runs: int = 0
     failures: list[str] = field(default_factory=list)
+    thread: threading.Thread | None = None
 
     def start(self) -> GcLoop:
-        threading.Thread(target=self._loop, daemon=True).start()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
         return self
 
     def _loop(self) -> None:
         while not self.halt.is_set():
             self.current = gc_process(self.store)
             _, err = self.current.communicate()
-            self.runs += 1
             if self.current.returncode not in (0, -signal.SIGKILL):
                 self.failures.append(err)
 
@@ -62,10 +62,11 @@ class GcLoop:
             os.kill(process.pid, signal.SIGKILL)
 
     def stop(self) -> None:
+        """After the gc running now (if any) ends."""
         self.halt.set()
-        process = self.current
-        if process is not None:
-            process.wait(timeout=60)
+        assert self.thread is not None
+        self.thread.join(timeout=120)
+        assert not self.thread.is_alive(), "a gc did not end"
 
 
 def gc_process(store: tuple[str, ...]) -> subprocess.Popen:
