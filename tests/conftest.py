@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,24 @@ from kiln.llm import LLM
 from kiln.models.loader import LoadedModel
 from kiln.tokenizer import Tokenizer
 from tests.tiny_models import TINY_CONFIGS, hf_state_dict, tiny_hf_model
+
+
+def outcome_within(call: Callable[[], object], timeout_s: float, what: str) -> object:
+    """call()'s result or the exception it raised, run on a thread; fails (instead of hanging the run)
+    when it has not ended within `timeout_s`, saying `what` was never reached."""
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except Exception as error:  # noqa: BLE001 - the caller asserts on it
+            outcome.append(error)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    assert outcome, what
+    return outcome[0]
 
 
 def byte_tokenizer() -> Tokenizer:

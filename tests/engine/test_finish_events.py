@@ -15,7 +15,7 @@ from kiln.engine.stats import EngineStats
 from kiln.engine.stream import GenerationStream
 from kiln.errors import UnavailableError
 from kiln.results import GenerationResult
-from tests.conftest import byte_tokenizer
+from tests.conftest import byte_tokenizer, outcome_within
 from tests.engine.test_engine import prompts
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -25,19 +25,7 @@ WAIT_S = 30  # far beyond what any of these takes: reaching it means the caller 
 def finish_of(stream: GenerationStream) -> GenerationResult | Exception:
     """The stream's result or the error it ended with; fails (instead of hanging the run) when the
     stream never gets its finish event."""
-    outcome: list[GenerationResult | Exception] = []
-
-    def consume() -> None:
-        try:
-            outcome.append(stream.result())
-        except Exception as error:
-            outcome.append(error)
-
-    waiter = threading.Thread(target=consume, daemon=True)
-    waiter.start()
-    waiter.join(WAIT_S)
-    assert outcome, "the stream never got its finish event"
-    return outcome[0]
+    return outcome_within(stream.result, WAIT_S, "the stream never got its finish event")  # type: ignore[return-value]
 
 
 def break_the_loop(llm, monkeypatch, gate: threading.Event | None = None) -> None:

@@ -18,6 +18,7 @@ from kiln.llm import LLM
 from kiln.snapshots.manifest import session_snapshot_id
 from kiln.snapshots.persistence import Backoff
 from kiln.snapshots.store import open_store
+from tests.conftest import outcome_within
 from tests.snapshots.hooks import WAIT_S, Call, Gate, HeldStream, on_thread, wait_for
 
 GREEDY = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
@@ -237,7 +238,7 @@ def test_a_bug_queueing_a_turns_save_still_ends_the_turn(tiny_llm, tmp_path, mon
         raise RuntimeError("a bug in capturing")
 
     monkeypatch.setattr(llm.engine, "capture_sequence", broken)
-    ended = on_thread_result(lambda: session.generate(**GREEDY).result())
+    ended = outcome_within(lambda: session.generate(**GREEDY).result(), WAIT_S, "the finish event was lost")
     if durable:
         assert isinstance(ended, UnavailableError) and "save failed" in str(ended)
     else:
@@ -246,20 +247,3 @@ def test_a_bug_queueing_a_turns_save_still_ends_the_turn(tiny_llm, tmp_path, mon
     monkeypatch.undo()
     assert len(turn(session)) == GREEDY["max_tokens"]  # the session is free for its next turn
 
-
-def on_thread_result(call):  # noqa: ANN001, ANN201
-    """call()'s result or the exception it raised, on a thread, failing (not hanging) if it does not end
-    within WAIT_S."""
-    results: list = []
-
-    def run() -> None:
-        try:
-            results.append(call())
-        except Exception as error:  # noqa: BLE001 - the caller asserts on it
-            results.append(error)
-
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(WAIT_S)
-    assert results, "the call never returned: the finish event was lost"
-    return results[0]
