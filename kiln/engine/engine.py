@@ -199,7 +199,7 @@ class Engine:
         if self._failure is not None:
             return 0
         with self._lock:
-            return len(self._scheduler.waiting) + len(self._scheduler.running)
+            return len(self._scheduler.requests())
 
     @property
     def alive(self) -> bool:
@@ -334,7 +334,7 @@ class Engine:
         with self._lock:
             if self._failure is not None:
                 return KVImage(list(seq.tokens), 0, seq.table.policy, [[] for _ in self._cache.layout.groups], {})
-            if any(r.seq is seq for r in (*self._scheduler.waiting, *self._scheduler.running)):
+            if any(r.seq is seq for r in self._scheduler.requests()):
                 raise FailedPreconditionError("a generation is running on this sequence")
             return self._cache.capture(seq.table, seq.tokens, seq.num_computed, known)
 
@@ -357,7 +357,7 @@ class Engine:
         (never, once the loop died: the pool is not touched again)."""
         with self._lock:
             seq.closed = True
-            if self._failure is not None or any(r.seq is seq for r in (*self._scheduler.waiting, *self._scheduler.running)):
+            if self._failure is not None or any(r.seq is seq for r in self._scheduler.requests()):
                 return
             self._scheduler.unpark(seq)
             self._cache.release(seq.table)
@@ -390,6 +390,12 @@ class Engine:
     def cancel(self, request: Request) -> None:
         """Stop a generation; its finish event ("cancelled") follows from the engine thread."""
         request.cancelled.set()
+        with self._wake:
+            self._wake.notify()
+
+    def resume(self, request: Request) -> None:
+        """Run a generation its consumer paused (`Request.paused`) again, from its next step."""
+        request.paused.clear()
         with self._wake:
             self._wake.notify()
 
@@ -427,7 +433,7 @@ class Engine:
         except Exception as error:  # a bug in a step fails the requests in flight, never the engine
             logger.exception("engine step failed; failing the requests in flight")
             with self._lock:
-                ended = self._fail([*self._scheduler.running, *self._scheduler.waiting], error)
+                ended = self._fail(self._scheduler.requests(), error)
             self._outputs.deliver(ended)
 
     def _die(self, error: BaseException) -> None:
@@ -460,7 +466,7 @@ class Engine:
         try:
             if self._failure is None:
                 with self._lock:
-                    ended = [self._finish(r, "cancelled") for r in [*self._scheduler.running, *self._scheduler.waiting]]
+                    ended = [self._finish(r, "cancelled") for r in self._scheduler.requests()]
                     self._release_finished()
                 self._outputs.deliver(ended)
         finally:
@@ -573,7 +579,8 @@ class Engine:
         return [self._finish(request, "error", error=error) for request in requests]
 
     def _drop_cancelled(self) -> list[Finished]:
-        cancelled = [r for r in (*self._scheduler.running, *self._scheduler.waiting) if r.cancelled.is_set()]
+        cancelled = [r for r in self._scheduler.requests() if r.cancelled.is_set()]
+        self.stats.stall_cancels += sum(r.stalled for r in cancelled)
         return [self._finish(r, "cancelled") for r in cancelled]
 
     def _release_finished(self) -> None:

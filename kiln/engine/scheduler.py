@@ -13,12 +13,18 @@ waiting requests, then preempt the most recently admitted running request (its p
 resumes from the prefix cache); a running request with nothing later-admitted to preempt preempts
 itself, and a waiting one waits while anything runs. Only a request that cannot fit the pool alone
 fails. Histories are never touched: dropped K/V is recomputed (or found in the prefix cache) when needed.
+
+A request whose consumer stopped taking tokens (`Request.paused`, set by its stream's Backpressure) leaves
+the running list at the next step for `paused`: it takes no step, no `max_num_seqs` slot and no share of
+the budget, so a client that never reads holds up no one. It keeps its pages, but they are the first
+running work's pages given back for room (after idle sessions'). Resumed, it queues again at the front:
+it was admitted before anything waiting.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -70,6 +76,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.parked: OrderedDict[int, Sequence] = OrderedDict()  # idle session sequences, least recently used first
+        self.paused: list[Request] = []  # set aside until their consumers read again
         self.failed: list[tuple[Request, Exception]] = []
         self._chunks: dict[Request, int] = {}
         self._drafts: dict[Request, list[int]] = {}
@@ -80,13 +87,18 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Something to step: a queued or running request, or a paused one resumed or cancelled."""
+        return bool(self.waiting or self.running) or any(not r.paused.is_set() or r.cancelled.is_set() for r in self.paused)
+
+    def requests(self) -> list[Request]:
+        """Every request the scheduler holds: waiting, running or paused."""
+        return [*self.waiting, *self.running, *self.paused]
 
     def remove(self, request: Request) -> None:
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        for holder in (self.running, self.waiting, self.paused):
+            if request in holder:
+                holder.remove(request)
+                return
 
     def park(self, seq: Sequence) -> None:
         """A session sequence is idle (or was just used): it keeps its pages, most recently used last."""
@@ -100,6 +112,7 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------------
 
     def schedule(self) -> list[ScheduledChunk]:
+        self._settle_pauses()
         self._budget = self.max_batched_tokens
         self._chunks, self._drafts = {}, {}
         decodes = [r for r in self.running if r.seq.uncomputed == 1]
@@ -112,6 +125,17 @@ class Scheduler:
         for request in prefills:
             self._schedule_running(request, min(self._chunk(request), self._budget))
         return [ScheduledChunk(request, size, self._drafts.get(request, [])) for request, size in self._chunks.items()]
+
+    def _settle_pauses(self) -> None:
+        """Requests whose consumers paused them step aside; resumed ones queue first in line."""
+        for request in [r for r in (*self.running, *self.waiting) if r.paused.is_set()]:
+            self.remove(request)
+            self.paused.append(request)
+            self.stats.pauses += 1
+        for request in [r for r in self.paused if not r.paused.is_set()][::-1]:
+            self.paused.remove(request)
+            self.waiting.appendleft(request)
+        self.stats.paused_now = len(self.paused)
 
     def _schedule_decode(self, request: Request, drafting: bool) -> None:
         """One row, plus a draft when one is proposed and its pages are free without dropping anyone's
@@ -200,15 +224,33 @@ class Scheduler:
     def _drop_parked(self) -> bool:
         if not self.parked:
             return False
-        _, seq = self.parked.popitem(last=False)
+        seq = self._parked_victim()
+        del self.parked[seq.seq_id]
         self._drop(seq, "idle")
         return True
 
+    def _parked_victim(self) -> Sequence:
+        """Whose idle K/V goes first: the least recently used parked sequence of an owner (API key) holding
+        more pages than its fair share of the pool (pool pages / owners holding pages), else the least
+        recently used one. With one owner nobody is over its share: plain LRU. Stateless requests count
+        as the owner None."""
+        live = [*self.parked.values(), *(r.seq for r in self.running), *(r.seq for r in self.waiting)]
+        lru = next(iter(self.parked.values()))
+        if len({seq.owner for seq in live}) < 2:
+            return lru
+        held: Counter[str | None] = Counter()
+        for seq in live:
+            held[seq.owner] += len(seq.table.resident())
+        share = self.cache.num_pages / sum(1 for pages in held.values() if pages)
+        return next((seq for seq in self.parked.values() if held[seq.owner] > share), lru)
+
     def _drop_waiting(self, request: Request) -> bool:
-        for other in reversed(self.waiting):
-            if other is not request and other.seq.table.holds_pages:
-                self._drop(other.seq, "waiting")
-                return True
+        """The K/V of a paused request (its client is not reading), else of a queued one, latest first."""
+        for reason, others in (("paused", self.paused), ("waiting", reversed(self.waiting))):
+            for other in others:
+                if other is not request and other.seq.table.holds_pages:
+                    self._drop(other.seq, reason)
+                    return True
         return False
 
     def _preempt(self, request: Request) -> None:

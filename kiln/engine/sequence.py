@@ -28,6 +28,7 @@ class Sequence:
     session: bool = False
     num_computed: int = 0
     closed: bool = False  # its session ended while a request ran: release the pages when it finishes
+    owner: str | None = None  # its session's API key identity: the scheduler's fair share is per owner
     seq_id: int = field(default_factory=lambda: next(_ids))
 
     @property
@@ -74,6 +75,10 @@ class Request:
     admitted_at: float | None = None
     first_token_at: float | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Set while the consumer cannot take more tokens (a client that stopped reading): the scheduler sets
+    # the request aside, its pages kept, until cleared (kiln/engine/stream.py § Backpressure).
+    paused: threading.Event = field(default_factory=threading.Event)
+    stalled: bool = False  # cancelled because it stayed paused past its stall timeout
 
     def settle_usage(self) -> Usage:
         """The usage its finish event reports. A request that ends before its admission counted its

@@ -18,8 +18,12 @@ class EngineStats:
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     requests_by_outcome: Counter[str] = field(default_factory=Counter)
-    # Tokens whose K/V was given back for room, by whose: "idle" (a parked session), "waiting" (a queued
-    # request's sequence), "preempted" (a running request). Their histories stay; the K/V is recomputed.
+    pauses: int = 0  # times a request was set aside because its consumer stopped reading
+    paused_now: int = 0  # requests set aside now (as of the last step)
+    stall_cancels: int = 0  # requests cancelled because they stayed paused past their stall timeout
+    # Tokens whose K/V was given back for room, by whose: "idle" (a parked session), "paused" (a request
+    # whose consumer stopped reading), "waiting" (a queued request's sequence), "preempted" (a running
+    # one). Their histories stay; the K/V is recomputed.
     kv_dropped_tokens: Counter[str] = field(default_factory=Counter)
     # Per-step peak of attention's transient buffers (gathered or streamed K/V, scores, merge state), as
     # accounted by the attention paths: the last step's and the largest so far. Not the resident pool.

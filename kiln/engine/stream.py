@@ -7,10 +7,20 @@ import asyncio
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 
 from kiln.engine.sequence import Event, FinishEvent, Request, TokenEvent
+from kiln.errors import InvalidArgumentError
 from kiln.results import GenerationResult
+
+DEFAULT_STALL_TIMEOUT_S = 30.0  # a paused generation whose client has not read for this long is cancelled
+# Unread tokens past which a generation pauses. Transports buffer tens of kilobytes (an HTTP/2 window, TCP
+# and socket buffers: thousands of tokens) before their writes wait at all, so a client that reads, however
+# slowly, is throttled to its pace rather than cut off; one that stopped reading costs at most this many
+# more steps.
+MAX_BACKLOG_TOKENS = 64
 
 
 class BaseStream:
@@ -137,24 +147,96 @@ class GenerationStream(BaseStream):
         self.cancel()
 
 
-class AsyncGenerationStream(BaseStream):
-    """The asyncio twin of GenerationStream: `async for token in stream`. Create it on the event loop
-    that will consume it; the engine thread hands events over with call_soon_threadsafe."""
+@dataclass(frozen=True)
+class Backpressure:
+    """How a stream holds its generation back when its consumer stops taking tokens (a client that
+    stopped reading: its transport's writes wait on flow control, so tokens pile up here). Past
+    `max_backlog` unread tokens the request is paused: the scheduler sets it aside, pages kept, and
+    everyone else's requests go on. Once the consumer has taken all but `max_backlog // 2` of them it
+    is resumed (`resume`, the engine's, wakes the engine). Paused for `stall_timeout_s` without a
+    resume, it is cancelled like any cancel (finish reason "cancelled"; the tokens committed so far
+    stay in a session's history) and the stream's `stalled` event is set, so its transport can end
+    the call it can no longer deliver on."""
 
-    def __init__(self, cancel: Callable[[Request], None]) -> None:
+    resume: Callable[[Request], None]
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    max_backlog: int = MAX_BACKLOG_TOKENS
+
+    def __post_init__(self) -> None:
+        if not self.stall_timeout_s > 0:
+            raise InvalidArgumentError(f"stall_timeout_s must be positive, got {self.stall_timeout_s}", "stall_timeout_s")
+        if self.max_backlog < 1:
+            raise InvalidArgumentError(f"max_backlog must be at least 1, got {self.max_backlog}", "max_backlog")
+
+
+class AsyncGenerationStream(BaseStream):
+    """The asyncio twin of GenerationStream: `async for token in stream`, or `batch()` for every token
+    ready at once. Create it on the event loop that will consume it; the engine thread hands events
+    over with call_soon_threadsafe, and everything else (the backlog, pausing, the stall timer) happens
+    on that loop, so no decision races with the consumer's."""
+
+    def __init__(self, cancel: Callable[[Request], None], backpressure: Backpressure | None = None) -> None:
         super().__init__(cancel)
         self._loop = asyncio.get_running_loop()
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._events: deque[Event] = deque()
+        self._arrived = asyncio.Event()
+        self._backpressure = backpressure
+        self._backlog = 0  # token events not yet taken by the consumer
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self.stalled = asyncio.Event()  # set when the stall timeout cancelled the generation
 
     def emit(self, event: Event) -> None:
         """Hands the event to the consumer's loop. A loop that closed (its consumer gone for good) takes
         nothing, and the generation is cancelled: asking first whether it is closed would race with
         the closing, so the hand-over itself is tried."""
         try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+            self._loop.call_soon_threadsafe(self._arrive, event)
         except RuntimeError:  # "Event loop is closed"
             if not isinstance(event, FinishEvent):
                 self.cancel()
+
+    def _arrive(self, event: Event) -> None:
+        self._events.append(event)
+        self._arrived.set()
+        if isinstance(event, FinishEvent):
+            self._stop_stall_timer()
+            return
+        self._backlog += 1
+        request = self._request
+        held = self._backpressure
+        if held is not None and request is not None and self._backlog > held.max_backlog and not request.paused.is_set():
+            request.paused.set()  # the scheduler honours it at its next step
+            self._stall_timer = self._loop.call_later(held.stall_timeout_s, self._stall, request)
+
+    def _taken(self, event: Event) -> None:
+        if isinstance(event, FinishEvent):
+            return
+        self._backlog -= 1
+        request = self._request
+        held = self._backpressure
+        if held is not None and request is not None and request.paused.is_set() and self._backlog <= held.max_backlog // 2:
+            self._stop_stall_timer()
+            held.resume(request)
+
+    def _stall(self, request: Request) -> None:
+        self._stall_timer = None
+        if request.paused.is_set() and self._finish is None:
+            request.stalled = True
+            self.stalled.set()
+            self.cancel()
+
+    def _stop_stall_timer(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    async def _next_event(self) -> Event:
+        while not self._events:
+            self._arrived.clear()
+            await self._arrived.wait()
+        event = self._events.popleft()
+        self._taken(event)
+        return event
 
     def __aiter__(self) -> AsyncIterator[int]:
         return self
@@ -162,10 +244,25 @@ class AsyncGenerationStream(BaseStream):
     async def __anext__(self) -> int:
         if self._finish is not None:
             raise StopAsyncIteration
-        token = self._record(await self._events.get())
+        token = self._record(await self._next_event())
         if token < 0:
             raise StopAsyncIteration
         return token
+
+    async def batch(self) -> list[int]:
+        """Every token id ready now, waiting for at least one; empty once the generation ended. The
+        generation's error is raised after its last tokens were handed out (on the next call)."""
+        if self._finish is not None:
+            return []
+        ids = [token] if (token := self._record(await self._next_event())) >= 0 else []
+        while ids and self._events and isinstance(self._events[0], TokenEvent):
+            ids.append(self._record(self._next_ready()))
+        return ids
+
+    def _next_ready(self) -> Event:
+        event = self._events.popleft()
+        self._taken(event)
+        return event
 
     async def result(self) -> GenerationResult:
         async for _ in self:
