@@ -118,7 +118,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     if args.server:
         from kiln.client import Client
 
-        with Client(args.server, api_key=args.api_key, tokenizer="server") as client:
+        with Client(args.server, api_key=args.api_key, tokenizer="server", ca_file=args.tls_ca) as client:
             print(f"kiln chat: server {args.server}", file=sys.stderr)
             _chat_loop(client.create_session(), _RemoteTokenizer(client), args)
         return
@@ -180,11 +180,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """0 after a graceful shutdown; EXIT_ENGINE_FAILED when the engine died, for a supervisor to
     restart the server (a refused configuration is a KilnError: 2, not worth restarting)."""
     from kiln.server.app import EngineFailedError, ServeOptions, api_keys_for, serve
+    from kiln.server.tls import TlsSettings
 
     options = ServeOptions(
         host=args.host, grpc_port=args.grpc_port, http_port=args.http_port, api_keys=tuple(args.api_key),
         api_keys_file=args.api_keys_file, insecure_no_auth=args.insecure_no_auth, shutdown_grace_s=args.shutdown_grace_s,
         max_request_bytes=args.max_request_bytes, served_model_names=tuple(args.served_model_name),
+        tls=TlsSettings.from_flags(args.tls_cert, args.tls_key, args.tls_client_ca),  # checked before the model loads
     )
     api_keys_for(options)  # refuse an unsafe bind before spending seconds on loading the model
     if args.no_persist:
@@ -215,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(chat)
     chat.add_argument("--server", default=None, help="talk to a running `kiln serve` (gRPC address) instead")
     chat.add_argument("--api-key", default=None, help="API key for --server")
+    chat.add_argument("--tls-ca", default=None, help="PEM CA to trust: talk to --server over TLS")
     _sampling_args(chat, max_tokens=256, temperature=0.0)
     chat.set_defaults(run=cmd_chat)
     serve = commands.add_parser("serve", help="serve gRPC and the OpenAI-compatible HTTP API on one engine")
@@ -232,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="another id the OpenAI API accepts and lists for the model (repeatable)")
     serve.add_argument("--instance-id", default=None,
                        help="this server's name among those sharing the snapshot store (default: host and gRPC address)")
+    serve.add_argument("--tls-cert", default=None, help="PEM certificate (chain): serve TLS on both ports (needs --tls-key)")
+    serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (unencrypted)")
+    serve.add_argument("--tls-client-ca", default=None,
+                       help="PEM CA: both ports require a client certificate signed by it (needs --tls-cert)")
     serve.add_argument("--no-persist", action="store_true",
                        help=f"keep sessions in memory only (default: persist them in {default_directory()})")
     serve.set_defaults(run=cmd_serve)

@@ -24,7 +24,7 @@ from kiln.text import TextAssembler
 from kiln.v1 import rpc
 from kiln.v1 import runtime_pb2 as pb
 
-from . import wire
+from . import channel, wire
 from .errors import error_for, require_open, typed_errors
 from .generation import BaseGeneration, idle_polls
 from .text import decode_locally, encode_locally, opt_in, require, uses_server
@@ -35,11 +35,13 @@ R = TypeVar("R")
 class AsyncClient:
     """A connection to a Kiln server for asyncio code; see sync.Client for the options."""
 
-    def __init__(self, address: str, api_key: str | None = None, tokenizer: Any = None) -> None:
+    def __init__(self, address: str, api_key: str | None = None, tokenizer: Any = None, *, tls: bool = False,
+                 ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None) -> None:
         self.address = address
         self.tokenizer = opt_in(tokenizer)
         self._metadata = wire.auth_metadata(api_key)
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = channel.open_channel(address, channel.ChannelSecurity.from_options(tls, ca_file, cert_file, key_file),
+                                             aio=True)
         self._open_stub: SimpleNamespace | None = rpc.stub(self._channel)
 
     async def create_session(

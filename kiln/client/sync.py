@@ -25,7 +25,7 @@ from kiln.text import TextAssembler
 from kiln.v1 import rpc
 from kiln.v1 import runtime_pb2 as pb
 
-from . import wire
+from . import channel, wire
 from .errors import error_for, require_open, typed_errors
 from .generation import BaseGeneration, idle_polls
 from .text import decode_locally, encode_locally, opt_in, require, uses_server
@@ -36,13 +36,16 @@ R = TypeVar("R")
 class Client:
     """A connection to a Kiln server. `api_key` is sent as `authorization: Bearer <key>`. `tokenizer`
     opts in to text helpers (append_text, generate_text): "server" for the server's tokenizer, or a
-    local one with encode()/decode(); by default the client deals in token ids only."""
+    local one with encode()/decode(); by default the client deals in token ids only. `tls=True` connects
+    over TLS trusting the system's roots; `ca_file` trusts that CA instead (and implies TLS); `cert_file`
+    + `key_file` present a client certificate (see channel.py)."""
 
-    def __init__(self, address: str, api_key: str | None = None, tokenizer: Any = None) -> None:
+    def __init__(self, address: str, api_key: str | None = None, tokenizer: Any = None, *, tls: bool = False,
+                 ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None) -> None:
         self.address = address
         self.tokenizer = opt_in(tokenizer)
         self._metadata = wire.auth_metadata(api_key)
-        self._channel = grpc.insecure_channel(address)
+        self._channel = channel.open_channel(address, channel.ChannelSecurity.from_options(tls, ca_file, cert_file, key_file))
         self._open_stub: SimpleNamespace | None = rpc.stub(self._channel)
 
     def create_session(

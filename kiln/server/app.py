@@ -31,6 +31,7 @@ from kiln.server.grpc import build_grpc_server
 from kiln.server.http import build_http_app
 from kiln.server.metrics import Metrics
 from kiln.server.service import MAX_REQUEST_BYTES, RuntimeService, served_name
+from kiln.server.tls import TlsSettings
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class ServeOptions:
     max_request_bytes: int = MAX_REQUEST_BYTES
     served_model_names: tuple[str, ...] = ()  # aliases of the model's id in the OpenAI API
     env: dict[str, str] | None = field(default=None, compare=False)
+    tls: TlsSettings | None = None  # TLS on both ports (kiln/server/tls.py); None: plaintext
 
     def __post_init__(self) -> None:
         if self.max_request_bytes <= 0:
@@ -106,9 +108,11 @@ async def serve_async(llm: LLM, options: ServeOptions) -> None:
     threading.Thread(target=compiler_for(loaded.fingerprint, loaded.tokenizer, loaded.config.vocab_size).warm,
                      name="kiln-grammar-warmup", daemon=True).start()
     grpc_address = f"{options.host}:{options.grpc_port}"
-    grpc_server = build_grpc_server(service, keys, metrics, grpc_address, options.max_request_bytes)
+    grpc_server = build_grpc_server(service, keys, metrics, grpc_address, options.max_request_bytes,
+                                    tls=options.tls)
     http = _Uvicorn(uvicorn.Config(build_http_app(service, keys, metrics, options.max_request_bytes), host=options.host, port=options.http_port,
-                                   log_level="warning", lifespan="off", timeout_graceful_shutdown=2))
+                                   log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
+                                   **(options.tls.uvicorn_kwargs() if options.tls else {})))
     await grpc_server.start()
     http_task = asyncio.create_task(http.serve())
     while not http.started and not http_task.done():
@@ -123,7 +127,9 @@ async def serve_async(llm: LLM, options: ServeOptions) -> None:
         loop.add_signal_handler(sig, stop.set)
     stop_on_engine_failure(llm.engine, stop)
     auth = "API keys required" if keys.enabled else "no auth"
-    print(f"kiln serve: ready model={model_name} grpc={grpc_address} http=http://{options.host}:{options.http_port} ({auth})",
+    if options.tls:
+        auth += f", {options.tls.describe()}"
+    print(f"kiln serve: ready model={model_name} grpc={grpc_address} http={http_url(options)} ({auth})",
           file=sys.stderr, flush=True)
     print(try_it(options, keys.enabled), file=sys.stderr, flush=True)
     await stop.wait()
@@ -134,21 +140,28 @@ async def serve_async(llm: LLM, options: ServeOptions) -> None:
             raise EngineFailedError(f"the engine failed while serving ({type(failure).__name__}: {failure})") from failure
 
 
+def http_url(options: ServeOptions) -> str:
+    scheme = "https" if options.tls else "http"
+    return f"{scheme}://{options.host}:{options.http_port}"
+
+
 def try_it(options: ServeOptions, auth: bool) -> str:
-    """Three ways to talk to the server, printed once it is ready."""
-    http = f"http://{options.host}:{options.http_port}"
+    """Three ways to talk to the server, printed once it is ready. With TLS, ca.pem stands for the CA that
+    signed --tls-cert (and client.pem / client-key.pem for a client certificate, with --tls-client-ca)."""
+    http = http_url(options)
     key = "$KILN_API_KEY" if auth else "none"
     header = ' -H "Authorization: Bearer $KILN_API_KEY"' if auth else ""
     sdk_key = ', api_key=os.environ["KILN_API_KEY"]' if auth else ""
+    curl_tls, sdk_tls, openai_setup, openai_tls = _try_it_tls(options.tls)
     return f"""
 Try it:
-  curl -s {http}/v1/completions -H 'Content-Type: application/json'{header} \\
+  curl -s{curl_tls} {http}/v1/completions -H 'Content-Type: application/json'{header} \\
        -d '{{"prompt": "The capital of France is", "max_tokens": 16}}'
 
   python - <<'PY'
 import os
 from kiln.client import Client
-with Client("{options.host}:{options.grpc_port}"{sdk_key}, tokenizer="server") as client:
+with Client("{options.host}:{options.grpc_port}"{sdk_key}{sdk_tls}, tokenizer="server") as client:
     session = client.create_session()
     session.append_text("The capital of France is")
     print("".join(session.generate_text(max_tokens=16)))
@@ -156,11 +169,25 @@ PY
 
   python - <<'PY'
 import openai
-client = openai.OpenAI(base_url="{http}/v1", api_key="{key}")
+{openai_setup}client = openai.OpenAI(base_url="{http}/v1", api_key="{key}"{openai_tls})
 reply = client.chat.completions.create(model="kiln", messages=[{{"role": "user", "content": "Hello!"}}])
 print(reply.choices[0].message.content)
 PY
 """
+
+
+def _try_it_tls(tls: TlsSettings | None) -> tuple[str, str, str, str]:
+    """The banner's TLS form: curl's options, the SDK's arguments, the openai script's setup lines and its
+    arguments ("" each without TLS)."""
+    if tls is None:
+        return "", "", "", ""
+    curl, sdk = " --cacert ca.pem", ', ca_file="ca.pem"'
+    setup = 'import ssl\ncontext = ssl.create_default_context(cafile="ca.pem")\n'
+    if tls.client_auth:
+        curl += " --cert client.pem --key client-key.pem"
+        sdk += ', cert_file="client.pem", key_file="client-key.pem"'
+        setup += 'context.load_cert_chain("client.pem", "client-key.pem")\n'
+    return curl, sdk, setup, ", http_client=openai.DefaultHttpxClient(verify=context)"
 
 
 async def _shutdown(llm: LLM, service: RuntimeService, grpc_server, http: uvicorn.Server, http_task: asyncio.Task,  # noqa: ANN001

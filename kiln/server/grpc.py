@@ -27,6 +27,7 @@ from kiln.results import GenerationResult, SessionInfo, SnapshotInfo
 from kiln.server.auth import ApiKeys
 from kiln.server.metrics import Metrics
 from kiln.server.service import MAX_REQUEST_BYTES, GenerateRequest, RuntimeService
+from kiln.server.tls import TlsSettings
 from kiln.v1 import rpc
 from kiln.v1 import runtime_pb2 as pb
 
@@ -49,15 +50,19 @@ Handler = Callable[["RuntimeServicer", Any, str | None], Message]  # (servicer, 
 
 
 def build_grpc_server(service: RuntimeService, keys: ApiKeys, metrics: Metrics, address: str,
-                      max_request_bytes: int = MAX_REQUEST_BYTES) -> grpc.aio.Server:
+                      max_request_bytes: int = MAX_REQUEST_BYTES, tls: TlsSettings | None = None) -> grpc.aio.Server:
     """A server for `address` ("host:port"), bound but not started. Build it on the event loop that will
     run it: generations stream their tokens to that loop. Binding a port another process listens on
     fails (gRPC would otherwise share it via SO_REUSEPORT and split the traffic between servers). A
-    larger request message is refused by gRPC itself with RESOURCE_EXHAUSTED."""
+    larger request message is refused by gRPC itself with RESOURCE_EXHAUSTED. With `tls` the port speaks
+    only TLS (kiln/server/tls.py)."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_request_bytes)])
     handlers = _method_handlers(RuntimeServicer(service, keys, metrics))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(rpc.SERVICE.full_name, handlers),))
-    server.add_insecure_port(address)
+    if tls is None:
+        server.add_insecure_port(address)
+    else:
+        server.add_secure_port(address, tls.grpc_credentials())
     return server
 
 
