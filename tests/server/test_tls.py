@@ -125,6 +125,15 @@ def test_a_client_trusting_another_ca_is_refused(tls_server, pki, trust):
     assert isinstance(error, httpx.ConnectError) and "CERTIFICATE_VERIFY_FAILED" in str(error), repr(error)
 
 
+def test_chat_over_tls(tls_server, pki):
+    run = subprocess.run(
+        [sys.executable, "-m", "kiln.cli", "chat", "--server", tls_server.grpc_address, "--tls-ca", str(pki.ca),
+         "--max-tokens", "2"], input="hello\n", capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "generated 2" in run.stderr
+
+
 # --- a server that requires client certificates ------------------------------------------------------------
 
 def test_a_client_certificate_from_the_client_ca_is_served(mtls_server, pki):

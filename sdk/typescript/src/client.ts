@@ -28,6 +28,7 @@ import {
 import { Generation } from "./generation.js";
 import { TextAssembler, TextGeneration } from "./text.js";
 import { optIn, requireTokenizer, SERVER, type TokenizerOption } from "./tokenizer.js";
+import type { TlsOptions } from "./tls.js";
 import { type CallOptions, Transport } from "./transport.js";
 import {
   generateRequest,
@@ -54,6 +55,11 @@ export interface ClientOptions {
   tokenizer?: TokenizerOption;
   /** Default deadline of every call but generate, in milliseconds. Unset: none. */
   timeoutMs?: number;
+  /**
+   * TLS, for a server started with --tls-cert: `true` trusts the system's roots, `{ ca }` that CA (PEM);
+   * `cert` + `key` (PEM) present a client certificate, for --tls-client-ca. Unset or false: plaintext.
+   */
+  tls?: boolean | TlsOptions;
 }
 
 export interface CreateSessionOptions extends CallOptions {
@@ -84,7 +90,7 @@ export class Client {
   constructor(address: string, options: ClientOptions = {}) {
     this.address = address;
     this.tokenizer = optIn(options.tokenizer);
-    this._transport = new Transport(address, options.apiKey, options.timeoutMs);
+    this._transport = new Transport(address, options.apiKey, options.timeoutMs, options.tls);
   }
 
   /** A new session with an optional initial history and idle TTL. */

@@ -18,6 +18,7 @@ export {
 export type { SessionInfo, SnapshotInfo, Usage } from "./gen/kiln/v1/runtime.js";
 export { Generation, type GenerationResult } from "./generation.js";
 export { TextAssembler, TextGeneration } from "./text.js";
+export type { Pem, TlsOptions } from "./tls.js";
 export type { Tokenizer, TokenizerOption } from "./tokenizer.js";
 export type { CallOptions } from "./transport.js";
 export type { FinishReasonName, Health, SamplingOptions, ServingStatusName, TokenIds } from "./wire.js";

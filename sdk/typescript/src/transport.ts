@@ -8,6 +8,7 @@ import * as grpc from "@grpc/grpc-js";
 
 import { CancelledError, clientClosed, errorFor, InvalidArgumentError, KilnError } from "./errors.js";
 import { type GenerateEvent, type GenerateRequest, RuntimeService } from "./gen/kiln/v1/runtime.js";
+import { channelCredentials, type TlsOptions } from "./tls.js";
 import { typed } from "./wire.js";
 
 /** Options every call takes. */
@@ -35,14 +36,19 @@ export class Transport {
   private readonly metadata: grpc.Metadata;
   private readonly calls = new Set<grpc.Call>();
 
-  /** `timeoutMs` is the default deadline of unary calls; a generate has only its own. */
-  constructor(address: string, apiKey: string | undefined, private readonly timeoutMs: number | undefined) {
+  /** `timeoutMs` is the default deadline of unary calls; a generate has only its own. `tls`: see tls.ts. */
+  constructor(
+    address: string,
+    apiKey: string | undefined,
+    private readonly timeoutMs: number | undefined,
+    tls?: boolean | TlsOptions,
+  ) {
     typed<string>("address", address, "string");
     typed<number>("timeoutMs", timeoutMs, "number");
     this.metadata = authMetadata(apiKey);
     // a connection of its own (grpc-js shares one per address by default), so that closing this client
     // closes it whatever other clients of the same server do
-    this.client = new grpc.Client(address, grpc.credentials.createInsecure(), { "grpc.use_local_subchannel_pool": 1 });
+    this.client = new grpc.Client(address, channelCredentials(tls), { "grpc.use_local_subchannel_pool": 1 });
   }
 
   unary<K extends UnaryMethod>(method: K, request: RequestOf<K>, options: CallOptions = {}): Promise<ReplyOf<K>> {

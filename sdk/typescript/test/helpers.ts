@@ -108,6 +108,16 @@ export function sharedServers(): SharedServers {
   return JSON.parse(servers) as SharedServers;
 }
 
+/**
+ * A `kiln serve` of a test file's own, with `extra` flags, on the shared servers' model and weight cache
+ * (test/run.ts passes them in KILN_TEST_MODEL and KILN_TEST_CACHE); the test file stops it.
+ */
+export async function ownServer(extra: string[]): Promise<KilnServe> {
+  const { KILN_TEST_MODEL: model, KILN_TEST_CACHE: cache } = process.env;
+  if (model === undefined || cache === undefined) throw new Error("run the tests with `npm test` (test/run.ts)");
+  return (await KilnServe.spawn(model, cache, [], extra)).ready();
+}
+
 /** kiln_requests_total{route, status} from the server's /metrics (0 when never observed). */
 export async function requestsCounted(server: ServerInfo, route: string, status: string): Promise<number> {
   const text = await (await fetch(`${server.httpUrl}/metrics`)).text();

@@ -39,7 +39,8 @@ async function main(): Promise<number> {
     const [open, keyed] = await Promise.all(servers.map((server) => server.ready()));
     console.log(`# kiln serve x2 ready in ${((performance.now() - started) / 1000).toFixed(1)} s`);
     const shared: SharedServers = { open: open!, keyed: keyed! };
-    const env = { ...process.env, KILN_TEST_SERVERS: JSON.stringify(shared, ["open", "keyed", "grpcAddress", "httpUrl", "apiKeys"]) };
+    const env = { ...process.env, KILN_TEST_SERVERS: JSON.stringify(shared, ["open", "keyed", "grpcAddress", "httpUrl", "apiKeys"]),
+      KILN_TEST_MODEL: model, KILN_TEST_CACHE: cache }; // for a test file that starts a server of its own (ownServer)
     const runner = spawn(process.execPath, ["--test", ...files], { env, stdio: "inherit" });
     const [code] = (await once(runner, "exit")) as [number | null];
     return code ?? 1;
