@@ -32,9 +32,9 @@ class TlsSettings:
 
     cert_file: str
     key_file: str
+    cert_chain: bytes = field(repr=False)
+    private_key: bytes = field(repr=False)
     client_ca_file: str | None = None
-    cert_chain: bytes = field(default=b"", repr=False)
-    private_key: bytes = field(default=b"", repr=False)
     client_ca: bytes | None = field(default=None, repr=False)
 
     @classmethod
@@ -50,7 +50,7 @@ class TlsSettings:
             raise InvalidArgumentError(f"{given} needs {missing}")
         chain, key = pem.key_pair("--tls-cert", cert_file, "--tls-key", key_file)
         client_ca = None if client_ca_file is None else pem.certificates("--tls-client-ca", client_ca_file)
-        return cls(cert_file, key_file, client_ca_file, chain, key, client_ca)
+        return cls(cert_file, key_file, chain, key, client_ca_file, client_ca)
 
     @property
     def client_auth(self) -> bool:

@@ -17,7 +17,7 @@ import pytest
 from kiln.client import AsyncClient, Client, UnavailableError
 from kiln.client.channel import ChannelSecurity
 from kiln.errors import InvalidArgumentError
-from kiln.server.app import ServeOptions, http_url, try_it
+from kiln.server.app import ServeOptions, api_keys_for, http_url, try_it
 from kiln.server.tls import TlsSettings
 from tests.conftest import outcome_within
 from tests.server.conftest import ServerHandle, start_server, tiny_model_dir
@@ -202,6 +202,12 @@ def test_good_tls_settings_and_their_transport_arguments(pki):
     assert 'cert_file="client.pem", key_file="client-key.pem"' in try_it(options, auth=False)
 
 
+def test_tls_does_not_lift_the_rule_that_a_non_loopback_bind_needs_a_key(pki):
+    tls = TlsSettings.from_flags(str(pki.server_cert), str(pki.server_key), str(pki.client_ca))
+    with pytest.raises(InvalidArgumentError, match="refusing to serve on 0.0.0.0 without an API key"):
+        api_keys_for(ServeOptions(host="0.0.0.0", env={}, tls=tls))
+
+
 def test_the_banner_shows_the_tls_forms(pki):
     banner = try_it(ServeOptions(http_port=8443, tls=TlsSettings.from_flags(str(pki.server_cert), str(pki.server_key), None)),
                     auth=True)
@@ -230,6 +236,8 @@ def test_bad_sdk_tls_options_are_refused_when_the_client_is_made(pki, options, m
 
 def test_sdk_files_imply_tls(pki):
     assert not ChannelSecurity.from_options().tls
+    with pytest.raises(InvalidArgumentError, match="tls must be True or False"):
+        Client("127.0.0.1:1", tls="yes")
     assert ChannelSecurity.from_options(tls=True).tls
     assert ChannelSecurity.from_options(ca_file=str(pki.ca)).root_certificates == pki.ca.read_bytes()
     assert ChannelSecurity.from_options(cert_file=str(pki.client_cert), key_file=str(pki.client_key)).tls
