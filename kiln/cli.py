@@ -186,6 +186,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host, grpc_port=args.grpc_port, http_port=args.http_port, api_keys=tuple(args.api_key),
         api_keys_file=args.api_keys_file, insecure_no_auth=args.insecure_no_auth, shutdown_grace_s=args.shutdown_grace_s,
         max_request_bytes=args.max_request_bytes, served_model_names=tuple(args.served_model_name),
+        auth_failure_threshold=args.auth_failure_threshold,
         tls=TlsSettings.from_flags(args.tls_cert, args.tls_key, args.tls_client_ca),  # checked before the model loads
     )
     api_keys_for(options)  # refuse an unsafe bind before spending seconds on loading the model
@@ -226,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--grpc-port", type=int, default=50051)
     serve.add_argument("--http-port", type=int, default=8000)
     serve.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
-    serve.add_argument("--api-keys-file", default=None, help="file with one API key per line")
+    serve.add_argument("--api-keys-file", default=None, help="API keys: one per line, or TOML [keys.NAME] with key_sha256 and limits; SIGHUP re-reads it")
     serve.add_argument("--insecure-no-auth", action="store_true", help="allow a non-loopback bind without keys")
+    serve.add_argument("--auth-failure-threshold", type=int, default=20,
+                       help="failed authentications from one address within a minute before it must wait (0: off)")
     serve.add_argument("--shutdown-grace-s", type=float, default=3.0, help="time in-flight generations get on shutdown")
     serve.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
                        help="largest request body (HTTP) or message (gRPC) accepted, bytes")

@@ -65,3 +65,11 @@ class SnapshotInfo:
     kv_tokens: int  # history tokens whose K/V it holds
     pages: int  # KV pages it references
     created_at: float  # unix seconds
+
+
+@dataclass(frozen=True)
+class OwnerUsage:
+    """What one owner (API key identity) holds now: live sessions and their resident K/V bytes."""
+
+    sessions: int
+    resident_kv_bytes: int

@@ -53,7 +53,7 @@ from kiln.errors import (
     UnavailableError,
 )
 from kiln.kv.image import KVImage
-from kiln.results import SessionInfo, Usage
+from kiln.results import OwnerUsage, SessionInfo, Usage
 from kiln.snapshots.manifest import SNAPSHOT_ID
 from kiln.snapshots.persistence import Known, MissingPagesError, Persistence, SessionCapture
 
@@ -273,6 +273,12 @@ class SessionStore:
         with self._locked() as leaving:
             self._expire(leaving)
             return [self._info(s) for s in self._sessions.values() if s.owner == owner]
+
+    def owner_usage(self, owner: str | None) -> OwnerUsage:
+        """How many live sessions `owner` has and the bytes of their resident pages (per-key quotas)."""
+        with self.lock:
+            seqs = [s.seq for s in self._sessions.values() if s.owner == owner]
+        return OwnerUsage(len(seqs), sum(self.engine.sequence_kv(seq).resident_bytes for seq in seqs))
 
     def close_all(self) -> None:
         """Release every session (server shutdown); each counts as closed. With persistence every change
@@ -588,6 +594,7 @@ class SessionStore:
         """A new live session, claimed for its first capture when persistence is on (`_persisted`);
         an invariant violation is recorded on it (the caller raises it)."""
         session = _Session(session_id or secrets.token_urlsafe(16), owner, seq, ttl_s, last_used=self._clock())
+        seq.owner = owner  # the scheduler's fair share of the pool is per owner
         if created_at is not None:
             session.created_at = created_at
         session.history_mark = len(seq.tokens)

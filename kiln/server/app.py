@@ -27,9 +27,11 @@ from kiln.engine.engine import Engine
 from kiln.errors import InvalidArgumentError, UnavailableError
 from kiln.llm import LLM
 from kiln.server.auth import ApiKeys
+from kiln.server.auth_failures import AuthFailures, ThrottleRule
 from kiln.server.grpc import build_grpc_server
 from kiln.server.http import build_http_app
 from kiln.server.metrics import Metrics
+from kiln.server.quotas import Quotas
 from kiln.server.service import MAX_REQUEST_BYTES, RuntimeService, served_name
 from kiln.server.tls import TlsSettings
 
@@ -45,12 +47,15 @@ class ServeOptions:
     shutdown_grace_s: float = 3.0
     max_request_bytes: int = MAX_REQUEST_BYTES
     served_model_names: tuple[str, ...] = ()  # aliases of the model's id in the OpenAI API
+    auth_failure_threshold: int = ThrottleRule.threshold  # failed authentications before an address waits; 0: never
     env: dict[str, str] | None = field(default=None, compare=False)
     tls: TlsSettings | None = None  # TLS on both ports (kiln/server/tls.py); None: plaintext
 
     def __post_init__(self) -> None:
         if self.max_request_bytes <= 0:
             raise InvalidArgumentError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
+        if self.auth_failure_threshold < 0:
+            raise InvalidArgumentError(f"auth_failure_threshold must be 0 (off) or more, got {self.auth_failure_threshold}")
 
 
 def is_loopback(host: str) -> bool:
@@ -64,7 +69,8 @@ def is_loopback(host: str) -> bool:
 
 def api_keys_for(options: ServeOptions) -> ApiKeys:
     """The configured keys; refuses to expose an unauthenticated server beyond this machine."""
-    keys = ApiKeys.from_sources(options.api_keys, options.api_keys_file, options.env)
+    keys = ApiKeys.from_sources(options.api_keys, options.api_keys_file, options.env,
+                                AuthFailures(ThrottleRule(threshold=options.auth_failure_threshold)))
     if not keys.enabled and not is_loopback(options.host) and not options.insecure_no_auth:
         raise InvalidArgumentError(
             f"refusing to serve on {options.host} without an API key: pass --api-key, --api-keys-file or "
@@ -100,8 +106,9 @@ class _Uvicorn(uvicorn.Server):
 async def serve_async(llm: LLM, options: ServeOptions) -> None:
     keys = api_keys_for(options)
     metrics = Metrics(llm)
+    metrics.watch_auth(keys.failures)
     model_name = served_name(llm.loaded.config.name or llm.loaded.source.name)
-    service = RuntimeService(llm, model_name, options.served_model_names)
+    service = RuntimeService(llm, model_name, options.served_model_names, Quotas(keys.limits, llm.sessions.owner_usage))
     # the constraint compiler's tokenizer index takes seconds on a large vocabulary: build it now, beside
     # startup, rather than in the first structured-output request
     loaded = llm.loaded
@@ -125,6 +132,8 @@ async def serve_async(llm: LLM, options: ServeOptions) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if options.api_keys_file:  # only then: SIGHUP otherwise keeps its default (a closed terminal ends the server)
+        loop.add_signal_handler(signal.SIGHUP, reload_keys_soon, keys, options.api_keys_file)
     stop_on_engine_failure(llm.engine, stop)
     auth = "API keys required" if keys.enabled else "no auth"
     if options.tls:
@@ -143,6 +152,25 @@ async def serve_async(llm: LLM, options: ServeOptions) -> None:
 def http_url(options: ServeOptions) -> str:
     scheme = "https" if options.tls else "http"
     return f"{scheme}://{options.host}:{options.http_port}"
+
+
+_reloads: set[asyncio.Task] = set()
+
+
+def reload_keys_soon(keys: ApiKeys, path: str) -> None:
+    """SIGHUP: re-read the API keys file on a worker thread; a bad file is reported and the old keys stay."""
+
+    async def reload() -> None:
+        try:
+            count = await asyncio.to_thread(keys.reload)
+        except InvalidArgumentError as error:
+            print(f"kiln serve: API keys not reloaded, the previous keys stay: {error}", file=sys.stderr, flush=True)
+        else:
+            print(f"kiln serve: API keys reloaded from {path} ({count} keys)", file=sys.stderr, flush=True)
+
+    task = asyncio.get_running_loop().create_task(reload())
+    _reloads.add(task)
+    task.add_done_callback(_reloads.discard)
 
 
 def try_it(options: ServeOptions, auth: bool) -> str:

@@ -25,7 +25,9 @@ from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError, KilnError
 from kiln.results import GenerationResult, SessionInfo, SnapshotInfo
 from kiln.server.auth import ApiKeys
+from kiln.server.auth_failures import grpc_peer_address
 from kiln.server.metrics import Metrics
+from kiln.server.quotas import retry_after
 from kiln.server.service import MAX_REQUEST_BYTES, GenerateRequest, RuntimeService
 from kiln.server.tls import TlsSettings
 from kiln.v1 import rpc
@@ -114,10 +116,10 @@ class RuntimeServicer:
         started = time.perf_counter()
         status = grpc.StatusCode.OK
         try:
-            yield self.keys.identify(_metadata(context, "authorization"))
+            yield self.keys.identify(_metadata(context, "authorization"), grpc_peer_address(context.peer()))
         except KilnError as error:
             status = grpc.StatusCode[error.code]
-            await context.abort(status, str(error))
+            await context.abort(status, str(error), trailing_metadata=_retry_after(error))
         except asyncio.CancelledError:  # the deadline passed, or the client cancelled or went away
             remaining = context.time_remaining()  # None: the call has no deadline
             expired = remaining is not None and remaining <= DEADLINE_SLACK_S
@@ -241,6 +243,10 @@ async def token_batches(stream: AsyncGenerationStream) -> AsyncIterator[tuple[li
                 return
     finally:
         task.cancel()
+
+
+def _retry_after(error: Exception) -> tuple[tuple[str, str], ...]:
+    return () if (seconds := retry_after(error)) is None else (("retry-after", seconds),)
 
 
 def _metadata(context: grpc.aio.ServicerContext, key: str) -> str | None:

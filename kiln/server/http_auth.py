@@ -2,7 +2,8 @@
 
 It runs as ASGI middleware rather than a route dependency so that an unauthenticated caller learns
 nothing else (not whether the body parses, not whether a route exists): with keys configured, every
-request but the open paths needs `Authorization: Bearer <key>`, else 401. `/healthz` is open for load
+request but the open paths needs `Authorization: Bearer <key>`, else 401 (with Retry-After when the
+client's address is throttled after repeated failures, kiln/server/auth_failures.py). `/healthz` is open for load
 balancers; `/metrics` is open for Prometheus scrapers, since it holds only aggregate counters (no
 session ids, tokens or keys); restrict it at the network level if even those are private.
 """
@@ -33,16 +34,18 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         try:
-            scope[_OWNER] = self.keys.identify(Headers(scope=scope).get("authorization"))
+            client = scope.get("client")
+            scope[_OWNER] = self.keys.identify(Headers(scope=scope).get("authorization"), client[0] if client else None)
         except UnauthenticatedError as error:
             await error_response(error)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
 
-def _caller(request: Request) -> str | None:
+def caller(request: Request) -> str | None:
+    """The identity the middleware established for this request."""
     return request.scope.get(_OWNER)
 
 
-Owner = Annotated[str | None, Depends(_caller)]
+Owner = Annotated[str | None, Depends(caller)]
 """The authenticated caller (None when auth is off): the `owner` of every session call."""

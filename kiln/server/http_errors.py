@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from kiln.errors import KilnError, NotFoundError
+from kiln.server.quotas import retry_after
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +87,12 @@ def error_status(error: Exception) -> tuple[int, dict[str, object]]:
 
 
 def error_response(error: Exception) -> JSONResponse:
+    """The envelope response, with `Retry-After` for an error that knows when a retry can succeed."""
     status, body = error_status(error)
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(body, status_code=status, headers=headers)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+    if (seconds := retry_after(error)) is not None:
+        headers["Retry-After"] = seconds
+    return JSONResponse(body, status_code=status, headers=headers or None)
 
 
 def install_error_handlers(app: FastAPI) -> None:

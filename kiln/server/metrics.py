@@ -10,6 +10,7 @@ from prometheus_client.registry import Collector
 
 from kiln.engine.sequence import Request
 from kiln.llm import LLM
+from kiln.server.auth_failures import AuthFailures
 from kiln.snapshots.persistence import SnapshotStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -88,6 +89,17 @@ class _EngineState(Collector):
                                 value=persistence.failing_sessions if persistence is not None else 0)
 
 
+class _AuthFailures(Collector):
+    def __init__(self, failures: AuthFailures) -> None:
+        self.failures = failures
+
+    def collect(self):  # noqa: ANN201 - prometheus_client's collector protocol
+        yield CounterMetricFamily("kiln_auth_failures", "Requests refused for a missing, malformed or unknown API key",
+                                  value=self.failures.failures_total)
+        yield CounterMetricFamily("kiln_auth_throttled", "Requests refused unread: their address failed to "
+                                  "authenticate too often", value=self.failures.throttled_total)
+
+
 def _snapshot_counters(stats: SnapshotStats):  # noqa: ANN202 - metric families
     yield CounterMetricFamily("kiln_snapshot_bytes_written", "Bytes written to the snapshot store (compressed blobs "
                               "and manifests)", value=stats.bytes_written)
@@ -136,6 +148,10 @@ class Metrics:
             self.ttft.observe(request.first_token_at - request.submitted_at)
             if request.admitted_at is not None:
                 self.prefill_seconds.observe(request.first_token_at - request.admitted_at)
+
+    def watch_auth(self, failures: AuthFailures) -> None:
+        """Export the failed-authentication totals (never per address: kiln/server/auth_failures.py)."""
+        self.registry.register(_AuthFailures(failures))
 
     def observe_request(self, route: str, status: str, seconds: float) -> None:
         """One handled call: `status` is the gRPC code name (OK, NOT_FOUND, ...) for both transports."""

@@ -40,6 +40,7 @@ from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError
 from kiln.results import Usage
 from kiln.server.generation import Delta, Output, SseResponse, collect, deltas, start_all, unless_disconnected
+from kiln.server.http_auth import caller
 from kiln.server.http_errors import ModelNotFoundError
 from kiln.server.http_models import ChatBody, CompletionBody, NamedToolChoice, OpenAIBody
 from kiln.server.service import RuntimeService
@@ -299,8 +300,8 @@ class OpenAIRoutes:
         plan = await run_in_threadpool(plan_of)
         generate = body.generate_request(plan.constraint)
         try:
-            groups = await start_all([functools.partial(self.service.complete_choices, prompt, generate, body.n)
-                                      for prompt in plan.prompts])
+            groups = await start_all([functools.partial(self.service.complete_choices, prompt, generate, body.n,
+                                                        caller(request)) for prompt in plan.prompts])
         except InvalidArgumentError as error:  # the engine names its own fields; name the request's
             error.param = body.field_name(error.param)
             raise

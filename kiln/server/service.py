@@ -16,6 +16,7 @@ from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError, KilnError
 from kiln.llm import LLM
 from kiln.results import SessionInfo, SnapshotInfo
+from kiln.server.quotas import MeteredStream, Quotas
 
 T = TypeVar("T")
 
@@ -54,8 +55,9 @@ def served_name(name: str) -> str:
 class RuntimeService:
     DEFAULT_MAX_TOKENS = 256
 
-    def __init__(self, llm: LLM, model_name: str, aliases: Sequence[str] = ()) -> None:
+    def __init__(self, llm: LLM, model_name: str, aliases: Sequence[str] = (), quotas: Quotas | None = None) -> None:
         self.llm = llm
+        self.quotas = quotas or Quotas.unlimited()  # per-key limits (kiln/server/quotas.py)
         self.model_name = model_name
         self.aliases = tuple(alias for alias in aliases if alias != model_name)
         self.accepting = True
@@ -98,7 +100,8 @@ class RuntimeService:
         kv_policy: str | None = None, kv_sink_tokens: int | None = None, kv_window_tokens: int | None = None,
     ) -> SessionInfo:
         self._admit()
-        session_id = self.sessions.create(list(tokens), ttl_s, owner, kv_policy, kv_sink_tokens, kv_window_tokens)
+        with self.quotas.new_session(owner):
+            session_id = self.sessions.create(list(tokens), ttl_s, owner, kv_policy, kv_sink_tokens, kv_window_tokens)
         return self.sessions.info(session_id, owner)
 
     def append(self, owner: str | None, session_id: str, tokens: Sequence[int]) -> SessionInfo:
@@ -110,14 +113,16 @@ class RuntimeService:
         """Await on the event loop that consumes the stream. The submission itself (session and engine
         locks) runs on a worker thread: the loop never waits on a lock."""
         self._admit()
-        stream = AsyncGenerationStream(self.llm.engine.cancel)
+        stream = MeteredStream(self.llm.engine.cancel)
         params = self.sampling_params(request)
-        await submitted([stream], lambda: self.sessions.generate(session_id, params, owner, stream))
+        await submitted([stream], lambda: self.quotas.admitted(
+            owner, [stream], lambda: self.sessions.generate(session_id, params, owner, stream), session=True))
         return stream
 
     def fork(self, owner: str | None, session_id: str, at: int | None = None) -> SessionInfo:
         self._admit()
-        return self.sessions.info(self.sessions.fork(session_id, at, owner), owner)
+        with self.quotas.new_session(owner):
+            return self.sessions.info(self.sessions.fork(session_id, at, owner), owner)
 
     def close(self, owner: str | None, session_id: str) -> None:
         self.sessions.close(session_id, owner)
@@ -140,7 +145,8 @@ class RuntimeService:
 
     def restore(self, owner: str | None, snapshot_id: str) -> SessionInfo:
         self._admit()
-        return self.sessions.info(self.llm.snapshots.restore(snapshot_id, owner), owner)
+        with self.quotas.new_session(owner):
+            return self.sessions.info(self.llm.snapshots.restore(snapshot_id, owner), owner)
 
     def list_snapshots(self, owner: str | None) -> list[SnapshotInfo]:
         return self.llm.snapshots.list(owner)
@@ -153,21 +159,23 @@ class RuntimeService:
 
     # ---- stateless ----------------------------------------------------------------------------------
 
-    async def complete(self, tokens: Sequence[int], request: GenerateRequest) -> AsyncGenerationStream:
+    async def complete(self, tokens: Sequence[int], request: GenerateRequest, owner: str | None = None) -> AsyncGenerationStream:
         """A stateless generation: shares cached pages with any earlier request of the same prefix.
         Submitted from a worker thread, like `generate`."""
         self._admit()
-        stream = AsyncGenerationStream(self.llm.engine.cancel)
+        stream = MeteredStream(self.llm.engine.cancel)
         params = self.sampling_params(request)
-        await submitted([stream], lambda: self.llm.start(list(tokens), params, stream))
+        await submitted([stream], lambda: self.quotas.admitted(owner, [stream], lambda: self.llm.start(list(tokens), params, stream)))
         return stream
 
-    async def complete_choices(self, tokens: Sequence[int], request: GenerateRequest, n: int) -> list[AsyncGenerationStream]:
+    async def complete_choices(self, tokens: Sequence[int], request: GenerateRequest, n: int,
+                               owner: str | None = None) -> list[AsyncGenerationStream]:
         """`n` stateless generations of one prompt that compute it once (LLM.start_choices)."""
         self._admit()
-        streams = [AsyncGenerationStream(self.llm.engine.cancel) for _ in range(n)]
+        streams = [MeteredStream(self.llm.engine.cancel) for _ in range(n)]
         params = self.sampling_params(request)
-        return await submitted(streams, lambda: self.llm.start_choices(list(tokens), params, streams))
+        return await submitted(streams, lambda: self.quotas.admitted(
+            owner, streams, lambda: self.llm.start_choices(list(tokens), params, streams)))
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return self.llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
