@@ -79,8 +79,7 @@ class ApiKeys:
         self._fixed = tuple(_plain_entry(key, f"key {index + 1}") for index, key in enumerate(_stripped(keys)))
         self._file = keys_file
         self.failures = failures or AuthFailures()
-        self._entries = self._fixed + (read_keys_file(keys_file) if keys_file else ())
-        self._by_identity = _index(self._entries)
+        self._keys = _index(self._fixed + (read_keys_file(keys_file) if keys_file else ()))  # identity -> entry
 
     @classmethod
     def from_sources(cls, keys: Iterable[str] = (), keys_file: str | None = None, env: dict | None = None,
@@ -90,11 +89,11 @@ class ApiKeys:
 
     @property
     def enabled(self) -> bool:
-        return bool(self._entries)
+        return bool(self._keys)
 
     @property
     def entries(self) -> tuple[KeyEntry, ...]:
-        return self._entries
+        return tuple(self._keys.values())
 
     def reload(self) -> int:
         """Re-read the keys file (SIGHUP): the keys of --api-key / KILN_API_KEY plus the file's new ones
@@ -103,23 +102,22 @@ class ApiKeys:
         InvalidArgumentError and changes nothing."""
         if self._file is None:
             raise InvalidArgumentError("no --api-keys-file to reload")
-        entries = self._fixed + read_keys_file(self._file)
-        if not entries and self._entries:
+        keys = _index(self._fixed + read_keys_file(self._file))
+        if not keys and self._keys:
             raise InvalidArgumentError(f"{self._file} holds no key: reloading it would turn authentication off")
-        by_identity = _index(entries)
-        self._entries, self._by_identity = entries, by_identity  # one swap
-        return len(entries)
+        self._keys = keys  # one swap
+        return len(keys)
 
     def limits(self, identity: str | None) -> Limits:
         """The limits of a caller (none for the anonymous caller or a key removed since it called)."""
-        entry = self._by_identity.get(identity) if identity is not None else None
+        entry = self._keys.get(identity) if identity is not None else None
         return entry.limits if entry is not None else Limits()
 
     def identify(self, authorization: str | None, peer: str | None = None) -> str | None:
         """The caller's identity from an `Authorization` value; None when auth is off. Raises
         UnauthenticatedError for a missing, malformed or unknown key, and, without looking at the key,
         for a `peer` address throttled after repeated failures (AuthThrottledError, with a retry delay)."""
-        entries = self._entries
+        entries = tuple(self._keys.values())
         if not entries:
             return None
         self.failures.check(peer)
