@@ -13,6 +13,8 @@ from kiln.errors import InvalidArgumentError, KilnError
 from kiln.kv.codec import CODECS
 from kiln.kv.policy import POLICIES
 from kiln.llm import LLM
+from kiln.server.access_log import FORMATS
+from kiln.server.http_connections import HttpLimits
 from kiln.server.service import MAX_REQUEST_BYTES
 from kiln.snapshots.commands import add_parser as add_snapshot_parser
 from kiln.snapshots.store import default_directory
@@ -179,6 +181,7 @@ def _turn_stats(result: object, history: int) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     """0 after a graceful shutdown; EXIT_ENGINE_FAILED when the engine died, for a supervisor to
     restart the server (a refused configuration is a KilnError: 2, not worth restarting)."""
+    from kiln.server.access_log import AccessLog
     from kiln.server.app import EngineFailedError, ServeOptions, api_keys_for, serve
     from kiln.server.tls import TlsSettings
 
@@ -188,6 +191,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes, served_model_names=tuple(args.served_model_name),
         auth_failure_threshold=args.auth_failure_threshold,
         tls=TlsSettings.from_flags(args.tls_cert, args.tls_key, args.tls_client_ca),  # checked before the model loads
+        allowed_hosts=tuple(args.allowed_host), cors_origins=tuple(args.cors_origin),
+        http_limits=HttpLimits(args.max_connections, args.http_idle_timeout_s, args.http_header_timeout_s,
+                               args.http_body_timeout_s),
+        access_log=AccessLog(args.log_format, args.log_content),
     )
     api_keys_for(options)  # refuse an unsafe bind before spending seconds on loading the model
     if args.no_persist:
@@ -242,6 +249,25 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (unencrypted)")
     serve.add_argument("--tls-client-ca", default=None,
                        help="PEM CA: both ports require a client certificate signed by it (needs --tls-cert)")
+    serve.add_argument("--allowed-host", action="append", default=[],
+                       help="another Host name (or address) the HTTP API answers, any port (repeatable; always: localhost, "
+                       "127.0.0.1, [::1] and --host unless 0.0.0.0/::). Other names get 421 (DNS rebinding). '*' turns "
+                       "the check off: unsafe unless a proxy in front checks Host")
+    serve.add_argument("--cors-origin", action="append", default=[],
+                       help="a web page origin (scheme://host[:port]) that may call the HTTP API (repeatable; default: "
+                       "none, and requests from other pages are refused)")
+    serve.add_argument("--max-connections", type=int, default=HttpLimits.max_connections,
+                       help="open HTTP connections; one more is answered 503 and closed")
+    serve.add_argument("--http-idle-timeout-s", type=float, default=HttpLimits.idle_timeout_s,
+                       help="an HTTP connection that starts no request for this long is closed")
+    serve.add_argument("--http-header-timeout-s", type=float, default=HttpLimits.header_timeout_s,
+                       help="a request's headers must be complete this long after its first byte, else the connection closes")
+    serve.add_argument("--http-body-timeout-s", type=float, default=HttpLimits.body_timeout_s,
+                       help="a request body that stalls this long between pieces is answered 408 and closed")
+    serve.add_argument("--log-format", choices=FORMATS, default="text",
+                       help="access log on stderr, one line per request: key=value text or one JSON object")
+    serve.add_argument("--log-content", action="store_true",
+                       help="access log lines carry request and response content (prompts, tokens); off by default")
     serve.add_argument("--no-persist", action="store_true",
                        help=f"keep sessions in memory only (default: persist them in {default_directory()})")
     serve.set_defaults(run=cmd_serve)

@@ -26,10 +26,13 @@ from kiln.engine.constraints import compiler_for
 from kiln.engine.engine import Engine
 from kiln.errors import InvalidArgumentError, UnavailableError
 from kiln.llm import LLM
+from kiln.server.access_log import AccessLog
 from kiln.server.auth import ApiKeys
 from kiln.server.auth_failures import AuthFailures, ThrottleRule
 from kiln.server.grpc import build_grpc_server
 from kiln.server.http import build_http_app
+from kiln.server.http_connections import HttpLimits, ensure_fd_limit
+from kiln.server.http_guard import HttpGuard
 from kiln.server.metrics import Metrics
 from kiln.server.quotas import Quotas
 from kiln.server.service import MAX_REQUEST_BYTES, RuntimeService, served_name
@@ -50,12 +53,20 @@ class ServeOptions:
     auth_failure_threshold: int = ThrottleRule.threshold  # failed authentications before an address waits; 0: never
     env: dict[str, str] | None = field(default=None, compare=False)
     tls: TlsSettings | None = None  # TLS on both ports (kiln/server/tls.py); None: plaintext
+    allowed_hosts: tuple[str, ...] = ()  # more Host names the HTTP API answers (kiln/server/http_guard.py)
+    cors_origins: tuple[str, ...] = ()  # web pages that may call the HTTP API
+    http_limits: HttpLimits = HttpLimits()  # HTTP connection cap and timeouts (kiln/server/http_connections.py)
+    access_log: AccessLog = AccessLog()  # format and content of the request log (kiln/server/access_log.py)
 
     def __post_init__(self) -> None:
+        self.http_guard()  # a bad --allowed-host or --cors-origin fails at start-up
         if self.max_request_bytes <= 0:
             raise InvalidArgumentError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
         if self.auth_failure_threshold < 0:
             raise InvalidArgumentError(f"auth_failure_threshold must be 0 (off) or more, got {self.auth_failure_threshold}")
+
+    def http_guard(self) -> HttpGuard:
+        return HttpGuard.for_bind(self.host, self.allowed_hosts, self.cors_origins)
 
 
 def is_loopback(host: str) -> bool:
@@ -116,9 +127,11 @@ async def serve_async(llm: LLM, options: ServeOptions) -> None:
                      name="kiln-grammar-warmup", daemon=True).start()
     grpc_address = f"{options.host}:{options.grpc_port}"
     grpc_server = build_grpc_server(service, keys, metrics, grpc_address, options.max_request_bytes,
-                                    tls=options.tls)
-    http = _Uvicorn(uvicorn.Config(build_http_app(service, keys, metrics, options.max_request_bytes), host=options.host, port=options.http_port,
+                                    tls=options.tls, access=options.access_log)
+    http_app = build_http_app(service, keys, metrics, options.max_request_bytes, options.http_guard(), options.access_log)
+    http = _Uvicorn(uvicorn.Config(http_app, host=options.host, port=options.http_port,
                                    log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
+                                   **options.http_limits.uvicorn_kwargs(),
                                    **(options.tls.uvicorn_kwargs() if options.tls else {})))
     await grpc_server.start()
     http_task = asyncio.create_task(http.serve())
@@ -241,7 +254,18 @@ async def _shutdown(llm: LLM, service: RuntimeService, grpc_server, http: uvicor
 def serve(llm: LLM, options: ServeOptions) -> None:
     for port in (options.grpc_port, options.http_port):
         _check_port_free(options.host, port)
-    asyncio.run(serve_async(llm, options))
+    for note in (ensure_fd_limit(options.http_limits), _wildcard_note(options)):
+        if note:
+            print(note, file=sys.stderr, flush=True)
+    with options.access_log.writing():
+        asyncio.run(serve_async(llm, options))
+
+
+def _wildcard_note(options: ServeOptions) -> str | None:
+    if not HttpGuard.wildcard(options.host) or options.allowed_hosts:
+        return None
+    return ("kiln serve: HTTP answers only requests for localhost, 127.0.0.1 or [::1] (Host), not for this "
+            "machine's other names or addresses: list them with --allowed-host")
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
@@ -24,6 +23,8 @@ from kiln.engine.constraints import Constraint
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError, KilnError
 from kiln.results import GenerationResult, SessionInfo, SnapshotInfo
+from kiln.server import access_log
+from kiln.server.access_log import AccessLog
 from kiln.server.auth import ApiKeys
 from kiln.server.auth_failures import grpc_peer_address
 from kiln.server.metrics import Metrics
@@ -52,14 +53,15 @@ Handler = Callable[["RuntimeServicer", Any, str | None], Message]  # (servicer, 
 
 
 def build_grpc_server(service: RuntimeService, keys: ApiKeys, metrics: Metrics, address: str,
-                      max_request_bytes: int = MAX_REQUEST_BYTES, tls: TlsSettings | None = None) -> grpc.aio.Server:
+                      max_request_bytes: int = MAX_REQUEST_BYTES, tls: TlsSettings | None = None,
+                      access: AccessLog | None = None) -> grpc.aio.Server:
     """A server for `address` ("host:port"), bound but not started. Build it on the event loop that will
     run it: generations stream their tokens to that loop. Binding a port another process listens on
     fails (gRPC would otherwise share it via SO_REUSEPORT and split the traffic between servers). A
     larger request message is refused by gRPC itself with RESOURCE_EXHAUSTED. With `tls` the port speaks
     only TLS (kiln/server/tls.py)."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_request_bytes)])
-    handlers = _method_handlers(RuntimeServicer(service, keys, metrics))
+    handlers = _method_handlers(RuntimeServicer(service, keys, metrics, access))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(rpc.SERVICE.full_name, handlers),))
     if tls is None:
         server.add_insecure_port(address)
@@ -81,9 +83,11 @@ def _method_handlers(servicer: RuntimeServicer) -> dict[str, grpc.RpcMethodHandl
 
 def _parse(method: str, request: bytes) -> Message:
     try:
-        return rpc.request_type(method).FromString(request)
+        message = rpc.request_type(method).FromString(request)
     except DecodeError:
         raise InvalidArgumentError("malformed request message") from None
+    access_log.note_grpc_request(request, message)
+    return message
 
 
 def _unary(handler: Handler) -> Callable[..., Awaitable[Message]]:
@@ -94,7 +98,9 @@ def _unary(handler: Handler) -> Callable[..., Awaitable[Message]]:
 
     async def rpc(self: RuntimeServicer, request: bytes, context: grpc.aio.ServicerContext) -> Message:
         async with self.call(handler.__name__, context) as owner:
-            return await asyncio.to_thread(handler, self, _parse(handler.__name__, request), owner)
+            response = await asyncio.to_thread(handler, self, _parse(handler.__name__, request), owner)
+            access_log.note_grpc_response(response)
+            return response
 
     rpc.__name__ = rpc.__qualname__ = handler.__name__
     rpc.__doc__ = handler.__doc__
@@ -104,33 +110,37 @@ def _unary(handler: Handler) -> Callable[..., Awaitable[Message]]:
 class RuntimeServicer:
     """The proto's RPCs, each a translation between messages and RuntimeService calls."""
 
-    def __init__(self, service: RuntimeService, keys: ApiKeys, metrics: Metrics) -> None:
+    def __init__(self, service: RuntimeService, keys: ApiKeys, metrics: Metrics, access: AccessLog | None = None) -> None:
         self.service = service
         self.keys = keys
         self.metrics = metrics
+        self.access = access or AccessLog()
 
     @contextlib.asynccontextmanager
     async def call(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[str | None]:
         """The frame of one RPC: yields the caller's identity; ends the call with the status its outcome
         maps to, and records it."""
-        started = time.perf_counter()
         status = grpc.StatusCode.OK
-        try:
-            yield self.keys.identify(_metadata(context, "authorization"), grpc_peer_address(context.peer()))
-        except KilnError as error:
-            status = grpc.StatusCode[error.code]
-            await context.abort(status, str(error), trailing_metadata=_retry_after(error))
-        except asyncio.CancelledError:  # the deadline passed, or the client cancelled or went away
-            remaining = context.time_remaining()  # None: the call has no deadline
-            expired = remaining is not None and remaining <= DEADLINE_SLACK_S
-            status = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
-            raise
-        except Exception:
-            status = grpc.StatusCode.INTERNAL
-            log.exception("gRPC %s failed", method)
-            await context.abort(status, f"internal error in {method}; the server logged it")
-        finally:
-            self.metrics.observe_request(f"grpc/{method}", status.name, time.perf_counter() - started)
+        with self.access.grpc(method, context) as record:  # its access log line; the request id
+            try:
+                record.caller = self.keys.identify(_metadata(context, "authorization"), grpc_peer_address(context.peer()))
+                yield record.caller
+            except KilnError as error:
+                status = grpc.StatusCode[error.code]
+                await context.abort(status, str(error), trailing_metadata=(*_retry_after(error), *record.metadata))
+            except asyncio.CancelledError:  # the deadline passed, or the client cancelled or went away
+                remaining = context.time_remaining()  # None: the call has no deadline
+                expired = remaining is not None and remaining <= DEADLINE_SLACK_S
+                status = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+                raise
+            except Exception:
+                status = grpc.StatusCode.INTERNAL
+                log.exception("gRPC %s failed", method)
+                await context.abort(status, f"internal error in {method}; the server logged it",
+                                    trailing_metadata=record.metadata)
+            finally:
+                record.code = status.name
+                self.metrics.observe_request(f"grpc/{method}", status.name, record.duration_s)
 
     @_unary
     def CreateSession(self, request: pb.CreateSessionRequest, owner: str | None) -> pb.CreateSessionResponse:

@@ -1,15 +1,16 @@
 """The HTTP server: the OpenAI-compatible API (kiln/server/openai_api.py), REST sessions
 (kiln/server/rest.py), `GET /healthz` and `GET /metrics`, all over one RuntimeService.
 
-Layers, outermost first: request metrics (every request, errors included, counted by route template
-and Kiln status name), the request body limit, authentication (kiln/server/http_auth.py), then the
-routes, whose errors leave as OpenAI error envelopes (kiln/server/http_errors.py).
+Layers, outermost first: request metrics and the access log (every request, errors included, counted
+by route template and Kiln status name; kiln/server/access_log.py), the Host and Origin checks and CORS
+(kiln/server/http_guard.py), the request body limit, authentication (kiln/server/http_auth.py), then
+the routes, whose errors leave as OpenAI error envelopes (kiln/server/http_errors.py). No redirects:
+a path with a stray trailing slash is 404, never a Location built from the request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 
 from fastapi import APIRouter, FastAPI, HTTPException
@@ -17,10 +18,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kiln.server.access_log import AccessLog
 from kiln.server.auth import ApiKeys
-from kiln.server.generation import STATUS_KEY
 from kiln.server.http_auth import AuthMiddleware
-from kiln.server.http_errors import INTERNAL, code_name, install_error_handlers, too_large_response
+from kiln.server.http_errors import install_error_handlers, too_large_response
+from kiln.server.http_guard import HttpGuard
 from kiln.server.metrics import CONTENT_TYPE, Metrics
 from kiln.server.openai_api import OpenAIRoutes
 from kiln.server.rest import SessionRoutes
@@ -30,15 +32,18 @@ UNMATCHED_ROUTE = "http/unmatched"  # one label for every unknown path keeps the
 
 
 def build_http_app(service: RuntimeService, keys: ApiKeys, metrics: Metrics,
-                   max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
-    app = FastAPI(title="Kiln", docs_url=None, redoc_url=None, openapi_url=None)
+                   max_request_bytes: int = MAX_REQUEST_BYTES, guard: HttpGuard | None = None,
+                   access: AccessLog | None = None) -> FastAPI:
+    app = FastAPI(title="Kiln", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     install_error_handlers(app)
     routers = [OpenAIRoutes(service).router(), SessionRoutes(service).router(), _operations(service, metrics)]
     for router in routers:
         app.include_router(router)
     app.add_middleware(AuthMiddleware, keys=keys)
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics,
+    if guard is not None:  # kiln serve always has one; in-process apps (tests) may go without
+        guard.install(app)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, access=access or AccessLog(),
                        routes=[route for router in routers for route in router.routes])
     return app
 
@@ -99,29 +104,23 @@ class RequestMetricsMiddleware:
     streamed response's status is its outcome (an error or a client gone mid-stream), not the 200
     sent before the first token; its duration runs to the last byte."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, routes: Sequence[BaseRoute]) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, routes: Sequence[BaseRoute], access: AccessLog) -> None:
         self.app = app
         self.metrics = metrics
         self.routes = list(routes)
+        self.access = access
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = time.perf_counter()
         route = self._label(scope)
-        status = INTERNAL
-
-        async def recording_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = code_name(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, recording_send)
-        finally:
-            self.metrics.observe_request(route, scope.get(STATUS_KEY, status), time.perf_counter() - started)
+        with self.access.http(scope, route, receive, send) as exchange:  # its line in the access log
+            try:
+                await self.app(scope, exchange.receive, exchange.send)
+            finally:
+                record = exchange.settle()
+                self.metrics.observe_request(route, record.code, record.duration_s)
 
 
     def _label(self, scope: Scope) -> str:

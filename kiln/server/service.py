@@ -16,6 +16,7 @@ from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError, KilnError
 from kiln.llm import LLM
 from kiln.results import SessionInfo, SnapshotInfo
+from kiln.server import access_log
 from kiln.server.quotas import MeteredStream, Quotas
 
 T = TypeVar("T")
@@ -211,6 +212,7 @@ async def submitted(streams: Sequence[AsyncGenerationStream], submit: Callable[[
     awaiting caller be cancelled meanwhile (its RPC cancelled, its client gone), or the submission fail,
     the streams are cancelled: a request the worker submits afterwards is cancelled as it is accepted
     (BaseStream remembers the cancel), so no orphaned generation keeps running or keeps a session busy."""
+    access_log.track(streams)  # the request's log line counts their tokens
     try:
         return await asyncio.to_thread(submit)
     except BaseException:
