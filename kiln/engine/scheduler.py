@@ -234,7 +234,7 @@ class Scheduler:
         more pages than its fair share of the pool (pool pages / owners holding pages), else the least
         recently used one. With one owner nobody is over its share: plain LRU. Stateless requests count
         as the owner None."""
-        live = [*self.parked.values(), *(r.seq for r in self.running), *(r.seq for r in self.waiting)]
+        live = [*self.parked.values(), *(r.seq for r in self.requests())]
         lru = next(iter(self.parked.values()))
         if len({seq.owner for seq in live}) < 2:
             return lru
