@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from kiln import SamplingParams
+from kiln.cli import main
 from kiln.client import Client, ResourceExhaustedError, UnauthenticatedError
 from kiln.errors import InvalidArgumentError
 from kiln.errors import UnauthenticatedError as ServerUnauthenticated
@@ -148,6 +149,17 @@ def test_a_reload_to_no_keys_at_all_is_refused(tmp_path):
     with pytest.raises(InvalidArgumentError, match="turn authentication off"):
         keys.reload()
     assert keys.enabled and keys.identify("Bearer only-key") == identity_of("only-key")
+
+
+@pytest.mark.parametrize(("flags", "fault"), [
+    (("--auth-failure-threshold", "-1"), "auth_failure_threshold must be 0 (off) or more"),
+    (("--api-keys-file", "{bad}"), "max_sessions must be a positive integer"),
+])
+def test_bad_settings_stop_kiln_serve_with_status_2(tmp_path, capsys, flags, fault):
+    bad = tmp_path / "keys.toml"
+    bad.write_text("[keys.a]\nkey = 'x'\nmax_sessions = 0\n")
+    assert main(["serve", "--no-persist", *(flag.format(bad=bad) for flag in flags)]) == 2  # before any model loads
+    assert fault in capsys.readouterr().err
 
 
 # ---- the failed-authentication throttle ----------------------------------------------------------
