@@ -9,11 +9,13 @@ import sys
 from kiln.chat import reply_prefix, turn_closer, turn_text
 from kiln.config import QUANTIZATIONS, SPECULATIVE_METHODS
 from kiln.engine.sampler import SamplingParams
+from kiln.engine.stream import DEFAULT_STALL_TIMEOUT_S
 from kiln.errors import InvalidArgumentError, KilnError
 from kiln.kv.codec import CODECS
 from kiln.kv.policy import POLICIES
 from kiln.llm import LLM
 from kiln.server.access_log import FORMATS
+from kiln.server.grpc_limits import GrpcLimits
 from kiln.server.http_connections import HttpLimits
 from kiln.server.service import MAX_REQUEST_BYTES
 from kiln.snapshots.commands import add_parser as add_snapshot_parser
@@ -195,6 +197,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         http_limits=HttpLimits(args.max_connections, args.http_idle_timeout_s, args.http_header_timeout_s,
                                args.http_body_timeout_s),
         access_log=AccessLog(args.log_format, args.log_content),
+        stall_timeout_s=args.stall_timeout_s, grpc_limits=GrpcLimits(max_concurrent_rpcs=args.max_concurrent_rpcs),
     )
     api_keys_for(options)  # refuse an unsafe bind before spending seconds on loading the model
     if args.no_persist:
@@ -268,6 +271,13 @@ def main(argv: list[str] | None = None) -> int:
                        help="access log on stderr, one line per request: key=value text or one JSON object")
     serve.add_argument("--log-content", action="store_true",
                        help="access log lines carry request and response content (prompts, tokens); off by default")
+    serve.add_argument("--stall-timeout-s", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+                       help="a stream whose client stops reading is paused; still unread after this long, its generation is "
+                       "cancelled (its tokens so far stay in the session) and the call ends")
+    serve.add_argument("--max-concurrent-rpcs", type=int, default=GrpcLimits.max_concurrent_rpcs,
+                       help="gRPC calls in flight (0: no limit); more get RESOURCE_EXHAUSTED. Also enforced: 256 streams "
+                       "per connection, client pings at most every 10 s and only during calls, idle connections closed "
+                       "after 5 min, connections asked to go away after 1 h (calls in flight get 24 h)")
     serve.add_argument("--no-persist", action="store_true",
                        help=f"keep sessions in memory only (default: persist them in {default_directory()})")
     serve.set_defaults(run=cmd_serve)

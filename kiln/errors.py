@@ -57,6 +57,13 @@ class CancelledError(KilnError):
     code = "CANCELLED"
 
 
+class DeadlineExceededError(KilnError):
+    """The call's deadline (the SDKs' `timeout_s`) passed before it completed; a generation it carried
+    was cancelled on the server, keeping the tokens it had committed, as any cancel does."""
+
+    code = "DEADLINE_EXCEEDED"
+
+
 class UnauthenticatedError(KilnError):
     """No API key, or one the server does not know."""
 

@@ -6,6 +6,7 @@ Every failure raises a typed error of kiln.errors, re-exported below, chosen by 
 
 from kiln.errors import (
     CancelledError,
+    DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     KilnError,
@@ -26,6 +27,7 @@ __all__ = [
     "AsyncSession",
     "CancelledError",
     "Client",
+    "DeadlineExceededError",
     "FailedPreconditionError",
     "Generation",
     "Health",

@@ -25,7 +25,7 @@ from kiln.v1 import rpc
 from kiln.v1 import runtime_pb2 as pb
 
 from . import channel, wire
-from .errors import error_for, require_open, typed_errors
+from .errors import check_timeout, error_for, require_open, typed_errors
 from .generation import BaseGeneration, idle_polls
 from .text import decode_locally, encode_locally, opt_in, require, uses_server
 
@@ -36,10 +36,12 @@ class AsyncClient:
     """A connection to a Kiln server for asyncio code; see sync.Client for the options."""
 
     def __init__(self, address: str, api_key: str | None = None, tokenizer: Any = None, *, tls: bool = False,
-                 ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None) -> None:
+                 ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None,
+                 timeout_s: float | None = None) -> None:
         self.address = address
         self.tokenizer = opt_in(tokenizer)
         self._metadata = wire.auth_metadata(api_key)
+        self.timeout_s = check_timeout(timeout_s)  # every call's deadline unless the call names its own
         self._channel = channel.open_channel(address, channel.ChannelSecurity.from_options(tls, ca_file, cert_file, key_file),
                                              aio=True)
         self._open_stub: SimpleNamespace | None = rpc.stub(self._channel)
@@ -47,49 +49,50 @@ class AsyncClient:
     async def create_session(
         self, tokens: Iterable[int] | None = None, ttl_s: float | None = None, *,
         kv_policy: str | None = None, kv_sink_tokens: int | None = None, kv_window_tokens: int | None = None,
+        timeout_s: float | None = None,
     ) -> AsyncSession:
         """As Client.create_session."""
         request = wire.message(pb.CreateSessionRequest, token_ids=wire.token_ids(tokens), ttl_s=ttl_s, kv_policy=kv_policy,
                                kv_sink_tokens=kv_sink_tokens, kv_window_tokens=kv_window_tokens)
-        return AsyncSession(self, (await self._call(self._stub.CreateSession, request)).session.session_id)
+        return AsyncSession(self, (await self._call(self._stub.CreateSession, request, timeout_s)).session.session_id)
 
-    async def get_session(self, session_id: str) -> AsyncSession:
+    async def get_session(self, session_id: str, *, timeout_s: float | None = None) -> AsyncSession:
         """Reattach to a session by id (e.g. after this process restarted); NotFoundError if it is gone."""
-        await self._call(self._stub.GetSessionInfo, wire.message(pb.GetSessionInfoRequest, session_id=session_id))
+        await self._call(self._stub.GetSessionInfo, wire.message(pb.GetSessionInfoRequest, session_id=session_id), timeout_s)
         return AsyncSession(self, session_id)
 
-    async def list_sessions(self) -> list[SessionInfo]:
+    async def list_sessions(self, *, timeout_s: float | None = None) -> list[SessionInfo]:
         """This API key's live sessions, least recently used first."""
-        reply = await self._call(self._stub.ListSessions, pb.ListSessionsRequest())
+        reply = await self._call(self._stub.ListSessions, pb.ListSessionsRequest(), timeout_s)
         return [wire.session_info(s) for s in reply.sessions]
 
-    async def restore_session(self, snapshot_id: str) -> AsyncSession:
+    async def restore_session(self, snapshot_id: str, *, timeout_s: float | None = None) -> AsyncSession:
         """A new session with a snapshot's history and K/V (FailedPreconditionError if it fails
         verification: another model or KV format, a corrupt page)."""
         request = wire.message(pb.RestoreSessionRequest, snapshot_id=snapshot_id)
-        return AsyncSession(self, (await self._call(self._stub.RestoreSession, request)).session.session_id)
+        return AsyncSession(self, (await self._call(self._stub.RestoreSession, request, timeout_s)).session.session_id)
 
-    async def list_snapshots(self) -> list[SnapshotInfo]:
+    async def list_snapshots(self, *, timeout_s: float | None = None) -> list[SnapshotInfo]:
         """This API key's checkpoints, oldest first."""
-        reply = await self._call(self._stub.ListSnapshots, pb.ListSnapshotsRequest())
+        reply = await self._call(self._stub.ListSnapshots, pb.ListSnapshotsRequest(), timeout_s)
         return [wire.snapshot_info(s) for s in reply.snapshots]
 
-    async def delete_snapshot(self, snapshot_id: str) -> None:
-        await self._call(self._stub.DeleteSnapshot, wire.message(pb.DeleteSnapshotRequest, snapshot_id=snapshot_id))
+    async def delete_snapshot(self, snapshot_id: str, *, timeout_s: float | None = None) -> None:
+        await self._call(self._stub.DeleteSnapshot, wire.message(pb.DeleteSnapshotRequest, snapshot_id=snapshot_id), timeout_s)
 
-    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    async def tokenize(self, text: str, add_special_tokens: bool = False, *, timeout_s: float | None = None) -> list[int]:
         """Token ids of `text` by the server's tokenizer."""
         request = wire.message(pb.TokenizeRequest, text=text, add_special_tokens=add_special_tokens)
-        return list((await self._call(self._stub.Tokenize, request)).token_ids)
+        return list((await self._call(self._stub.Tokenize, request, timeout_s)).token_ids)
 
-    async def detokenize(self, token_ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+    async def detokenize(self, token_ids: Iterable[int], skip_special_tokens: bool = False, *, timeout_s: float | None = None) -> str:
         """Text of token ids by the server's tokenizer."""
         request = wire.message(pb.DetokenizeRequest, token_ids=wire.token_ids(token_ids),
                                skip_special_tokens=skip_special_tokens)
-        return (await self._call(self._stub.Detokenize, request)).text
+        return (await self._call(self._stub.Detokenize, request, timeout_s)).text
 
-    async def health(self) -> wire.Health:
-        return wire.health(await self._call(self._stub.Health, pb.HealthRequest()))
+    async def health(self, *, timeout_s: float | None = None) -> wire.Health:
+        return wire.health(await self._call(self._stub.Health, pb.HealthRequest(), timeout_s))
 
     async def close(self) -> None:
         """Closes the channel; later calls raise FailedPreconditionError (sessions live on in the server
@@ -107,9 +110,12 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, method: Callable[..., Awaitable[R]], request: object) -> R:
+    async def _call(self, method: Callable[..., Awaitable[R]], request: object, timeout_s: float | None = None) -> R:
         with typed_errors():
-            return await method(request, metadata=self._metadata)
+            return await method(request, metadata=self._metadata, timeout=self._timeout(timeout_s))
+
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        return self.timeout_s if timeout_s is None else check_timeout(timeout_s)
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         require(self.tokenizer, "append_text")
@@ -130,16 +136,16 @@ class AsyncSession:
         self.client = client
         self.id = session_id
 
-    async def append(self, token_ids: Iterable[int]) -> SessionInfo:
+    async def append(self, token_ids: Iterable[int], *, timeout_s: float | None = None) -> SessionInfo:
         """Appends to the history (computed by the next generate); returns the session after it."""
         request = wire.message(pb.AppendTokensRequest, session_id=self.id, token_ids=wire.token_ids(token_ids))
-        return wire.session_info((await self.client._call(self.client._stub.AppendTokens, request)).session)
+        return wire.session_info((await self.client._call(self.client._stub.AppendTokens, request, timeout_s)).session)
 
-    async def append_text(self, text: str) -> SessionInfo:
+    async def append_text(self, text: str, *, timeout_s: float | None = None) -> SessionInfo:
         """Tokenizes with the client's opted-in tokenizer (special tokens such as BOS only at the very
         start of a history) and appends."""
-        first = (await self.info()).history_tokens == 0
-        return await self.append(await self.client._encode(text, add_special_tokens=first))
+        first = (await self.info(timeout_s=timeout_s)).history_tokens == 0
+        return await self.append(await self.client._encode(text, add_special_tokens=first), timeout_s=timeout_s)
 
     async def generate(
         self,
@@ -156,13 +162,17 @@ class AsyncSession:
         json_schema: Mapping[str, Any] | str | None = None,
         regex: str | None = None,
         grammar: str | None = None,
+        timeout_s: float | None = None,
     ) -> AsyncGeneration:
         """Continues the history; returns once the server accepted (refusals raise here), then iterate
         with `async for` for token ids as they commit. max_tokens None: the server's default (256). At most one of
-        json_schema (a dict or JSON text), regex and grammar (Lark) constrains the generated text."""
+        json_schema (a dict or JSON text), regex and grammar (Lark) constrains the generated text. `timeout_s`
+        bounds the whole call, stream included (past it, DeadlineExceededError); the client's default
+        does not apply, as it is meant for quick calls."""
         request = wire.generate_request(self.id, max_tokens, temperature, top_p, top_k, seed, stop,
                                         stop_token_ids, ignore_eos, logprobs, json_schema, regex, grammar)
-        return await AsyncGeneration.start(self, self.client._stub.Generate(request, metadata=self.client._metadata))
+        return await AsyncGeneration.start(self, self.client._stub.Generate(request, metadata=self.client._metadata,
+                                                          timeout=check_timeout(timeout_s)))
 
     async def generate_text(self, max_tokens: int | None = None, **options: Any) -> AsyncIterator[str]:
         """Like generate() (same options), yielding text as it becomes final: multi-byte characters
@@ -178,25 +188,25 @@ class AsyncSession:
             if rest := assembler.finish(generation.stop_string):
                 yield rest
 
-    async def fork(self, at: int | None = None) -> AsyncSession:
+    async def fork(self, at: int | None = None, *, timeout_s: float | None = None) -> AsyncSession:
         """A new session sharing the first `at` tokens (None: all) of this history, and their K/V."""
         request = wire.message(pb.ForkSessionRequest, session_id=self.id, at=at)
-        reply = await self.client._call(self.client._stub.ForkSession, request)
+        reply = await self.client._call(self.client._stub.ForkSession, request, timeout_s)
         return AsyncSession(self.client, reply.session.session_id)
 
-    async def snapshot(self) -> str:
+    async def snapshot(self, *, timeout_s: float | None = None) -> str:
         """Save this (idle) session as a checkpoint; returns its id once it is durable."""
         request = wire.message(pb.SnapshotSessionRequest, session_id=self.id)
-        return (await self.client._call(self.client._stub.SnapshotSession, request)).snapshot.snapshot_id
+        return (await self.client._call(self.client._stub.SnapshotSession, request, timeout_s)).snapshot.snapshot_id
 
-    async def info(self) -> SessionInfo:
+    async def info(self, *, timeout_s: float | None = None) -> SessionInfo:
         request = wire.message(pb.GetSessionInfoRequest, session_id=self.id)
-        return wire.session_info((await self.client._call(self.client._stub.GetSessionInfo, request)).session)
+        return wire.session_info((await self.client._call(self.client._stub.GetSessionInfo, request, timeout_s)).session)
 
-    async def close(self) -> None:
+    async def close(self, *, timeout_s: float | None = None) -> None:
         """Ends the session and frees its K/V; later calls on it raise NotFoundError."""
         request = wire.message(pb.CloseSessionRequest, session_id=self.id)
-        await self.client._call(self.client._stub.CloseSession, request)
+        await self.client._call(self.client._stub.CloseSession, request, timeout_s)
 
     async def __aenter__(self) -> AsyncSession:
         return self

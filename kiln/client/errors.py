@@ -4,6 +4,7 @@ process, chosen by the status code's name (never by parsing messages)."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import TypeVar
 
@@ -11,6 +12,7 @@ import grpc
 
 from kiln.errors import (
     CancelledError,
+    DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     KilnError,
@@ -30,6 +32,7 @@ TYPED_ERRORS = (
     PermissionDeniedError,
     CancelledError,
     UnavailableError,
+    DeadlineExceededError,
 )
 _BY_CODE: dict[str, type[KilnError]] = {error.code: error for error in TYPED_ERRORS}
 
@@ -37,8 +40,7 @@ S = TypeVar("S")
 
 
 def error_for(code: grpc.StatusCode, details: str | None) -> KilnError:
-    """The typed error of a failed call. Statuses without a class of their own (INTERNAL,
-    DEADLINE_EXCEEDED, ...) give a KilnError whose `code` names the status."""
+    """The typed error of a failed call. Statuses without a class of their own (INTERNAL, ABORTED, ...) give a KilnError whose `code` names the status."""
     typed = _BY_CODE.get(code.name)
     if typed is not None:
         return typed(details or code.name)
@@ -54,6 +56,14 @@ def typed_errors() -> Iterator[None]:
         yield
     except grpc.RpcError as error:
         raise error_for(error.code(), error.details()) from None
+
+
+def check_timeout(timeout_s: float | None) -> float | None:
+    """A call's deadline in seconds from now (None: none), checked before any call is made."""
+    number = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
+    if timeout_s is not None and not (number and 0 < timeout_s < math.inf):
+        raise InvalidArgumentError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}", "timeout_s")
+    return timeout_s
 
 
 def require_open(stub: S | None) -> S:

@@ -26,7 +26,7 @@ from kiln.v1 import rpc
 from kiln.v1 import runtime_pb2 as pb
 
 from . import channel, wire
-from .errors import error_for, require_open, typed_errors
+from .errors import check_timeout, error_for, require_open, typed_errors
 from .generation import BaseGeneration, idle_polls
 from .text import decode_locally, encode_locally, opt_in, require, uses_server
 
@@ -38,62 +38,67 @@ class Client:
     opts in to text helpers (append_text, generate_text): "server" for the server's tokenizer, or a
     local one with encode()/decode(); by default the client deals in token ids only. `tls=True` connects
     over TLS trusting the system's roots; `ca_file` trusts that CA instead (and implies TLS); `cert_file`
-    + `key_file` present a client certificate (see channel.py)."""
+    + `key_file` present a client certificate (see channel.py). `timeout_s` is the default deadline of every
+    unary call (a call's own `timeout_s=` overrides it; a generate has only its own): past it the call
+    raises DeadlineExceededError."""
 
     def __init__(self, address: str, api_key: str | None = None, tokenizer: Any = None, *, tls: bool = False,
-                 ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None) -> None:
+                 ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None,
+                 timeout_s: float | None = None) -> None:
         self.address = address
         self.tokenizer = opt_in(tokenizer)
         self._metadata = wire.auth_metadata(api_key)
+        self.timeout_s = check_timeout(timeout_s)  # every call's deadline unless the call names its own
         self._channel = channel.open_channel(address, channel.ChannelSecurity.from_options(tls, ca_file, cert_file, key_file))
         self._open_stub: SimpleNamespace | None = rpc.stub(self._channel)
 
     def create_session(
         self, tokens: Iterable[int] | None = None, ttl_s: float | None = None, *,
         kv_policy: str | None = None, kv_sink_tokens: int | None = None, kv_window_tokens: int | None = None,
+        timeout_s: float | None = None,
     ) -> Session:
         """A new session with an optional initial history and idle TTL (seconds; None: the server's), and
         optionally its own KV policy ("full", "sink_window", "restore"; None: the server's settings)."""
         request = wire.message(pb.CreateSessionRequest, token_ids=wire.token_ids(tokens), ttl_s=ttl_s, kv_policy=kv_policy,
                                kv_sink_tokens=kv_sink_tokens, kv_window_tokens=kv_window_tokens)
-        return Session(self, self._call(self._stub.CreateSession, request).session.session_id)
+        return Session(self, self._call(self._stub.CreateSession, request, timeout_s).session.session_id)
 
-    def get_session(self, session_id: str) -> Session:
+    def get_session(self, session_id: str, *, timeout_s: float | None = None) -> Session:
         """Reattach to a session by id (e.g. after this process restarted); NotFoundError if it is gone."""
-        self._call(self._stub.GetSessionInfo, wire.message(pb.GetSessionInfoRequest, session_id=session_id))
+        self._call(self._stub.GetSessionInfo, wire.message(pb.GetSessionInfoRequest, session_id=session_id), timeout_s)
         return Session(self, session_id)
 
-    def list_sessions(self) -> list[SessionInfo]:
+    def list_sessions(self, *, timeout_s: float | None = None) -> list[SessionInfo]:
         """This API key's live sessions, least recently used first."""
-        return [wire.session_info(s) for s in self._call(self._stub.ListSessions, pb.ListSessionsRequest()).sessions]
+        return [wire.session_info(s) for s in self._call(self._stub.ListSessions, pb.ListSessionsRequest(), timeout_s).sessions]
 
-    def restore_session(self, snapshot_id: str) -> Session:
+    def restore_session(self, snapshot_id: str, *, timeout_s: float | None = None) -> Session:
         """A new session with a snapshot's history and K/V (FailedPreconditionError if it fails
         verification: another model or KV format, a corrupt page)."""
         request = wire.message(pb.RestoreSessionRequest, snapshot_id=snapshot_id)
-        return Session(self, (self._call(self._stub.RestoreSession, request)).session.session_id)
+        return Session(self, (self._call(self._stub.RestoreSession, request, timeout_s)).session.session_id)
 
-    def list_snapshots(self) -> list[SnapshotInfo]:
+    def list_snapshots(self, *, timeout_s: float | None = None) -> list[SnapshotInfo]:
         """This API key's checkpoints, oldest first."""
-        reply = self._call(self._stub.ListSnapshots, pb.ListSnapshotsRequest())
+        reply = self._call(self._stub.ListSnapshots, pb.ListSnapshotsRequest(), timeout_s)
         return [wire.snapshot_info(s) for s in reply.snapshots]
 
-    def delete_snapshot(self, snapshot_id: str) -> None:
-        self._call(self._stub.DeleteSnapshot, wire.message(pb.DeleteSnapshotRequest, snapshot_id=snapshot_id))
+    def delete_snapshot(self, snapshot_id: str, *, timeout_s: float | None = None) -> None:
+        self._call(self._stub.DeleteSnapshot, wire.message(pb.DeleteSnapshotRequest, snapshot_id=snapshot_id), timeout_s)
 
-    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = False, *, timeout_s: float | None = None) -> list[int]:
         """Token ids of `text` by the server's tokenizer."""
         request = wire.message(pb.TokenizeRequest, text=text, add_special_tokens=add_special_tokens)
-        return list(self._call(self._stub.Tokenize, request).token_ids)
+        return list(self._call(self._stub.Tokenize, request, timeout_s).token_ids)
 
-    def detokenize(self, token_ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+    def detokenize(self, token_ids: Iterable[int], skip_special_tokens: bool = False, *, timeout_s: float | None = None) -> str:
         """Text of token ids by the server's tokenizer."""
         request = wire.message(pb.DetokenizeRequest, token_ids=wire.token_ids(token_ids),
                                skip_special_tokens=skip_special_tokens)
-        return self._call(self._stub.Detokenize, request).text
+        return self._call(self._stub.Detokenize, request, timeout_s).text
 
-    def health(self) -> wire.Health:
-        return wire.health(self._call(self._stub.Health, pb.HealthRequest()))
+    def health(self, *, timeout_s: float | None = None) -> wire.Health:
+        return wire.health(self._call(self._stub.Health, pb.HealthRequest(), timeout_s))
 
     def close(self) -> None:
         """Closes the channel; later calls raise FailedPreconditionError (sessions live on in the server
@@ -111,9 +116,12 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: Callable[..., R], request: object) -> R:
+    def _call(self, method: Callable[..., R], request: object, timeout_s: float | None = None) -> R:
         with typed_errors():
-            return method(request, metadata=self._metadata)
+            return method(request, metadata=self._metadata, timeout=self._timeout(timeout_s))
+
+    def _timeout(self, timeout_s: float | None) -> float | None:
+        return self.timeout_s if timeout_s is None else check_timeout(timeout_s)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         require(self.tokenizer, "append_text")
@@ -135,16 +143,16 @@ class Session:
         self.client = client
         self.id = session_id
 
-    def append(self, token_ids: Iterable[int]) -> SessionInfo:
+    def append(self, token_ids: Iterable[int], *, timeout_s: float | None = None) -> SessionInfo:
         """Appends to the history (computed by the next generate); returns the session after it."""
         request = wire.message(pb.AppendTokensRequest, session_id=self.id, token_ids=wire.token_ids(token_ids))
-        return wire.session_info(self.client._call(self.client._stub.AppendTokens, request).session)
+        return wire.session_info(self.client._call(self.client._stub.AppendTokens, request, timeout_s).session)
 
-    def append_text(self, text: str) -> SessionInfo:
+    def append_text(self, text: str, *, timeout_s: float | None = None) -> SessionInfo:
         """Tokenizes with the client's opted-in tokenizer (special tokens such as BOS only at the very
         start of a history) and appends."""
-        first = self.info().history_tokens == 0
-        return self.append(self.client._encode(text, add_special_tokens=first))
+        first = self.info(timeout_s=timeout_s).history_tokens == 0
+        return self.append(self.client._encode(text, add_special_tokens=first), timeout_s=timeout_s)
 
     def generate(
         self,
@@ -161,13 +169,17 @@ class Session:
         json_schema: Mapping[str, Any] | str | None = None,
         regex: str | None = None,
         grammar: str | None = None,
+        timeout_s: float | None = None,
     ) -> Generation:
         """Continues the history; returns once the server accepted (refusals raise here), then iterate
         for token ids as they commit. max_tokens None: the server's default (256). At most one of
-        json_schema (a dict or JSON text), regex and grammar (Lark) constrains the generated text."""
+        json_schema (a dict or JSON text), regex and grammar (Lark) constrains the generated text. `timeout_s`
+        bounds the whole call, stream included (past it, DeadlineExceededError); the client's default
+        does not apply, as it is meant for quick calls."""
         request = wire.generate_request(self.id, max_tokens, temperature, top_p, top_k, seed, stop,
                                         stop_token_ids, ignore_eos, logprobs, json_schema, regex, grammar)
-        return Generation(self, self.client._stub.Generate(request, metadata=self.client._metadata))
+        return Generation(self, self.client._stub.Generate(request, metadata=self.client._metadata,
+                                                       timeout=check_timeout(timeout_s)))
 
     def generate_text(self, max_tokens: int | None = None, **options: Any) -> Iterator[str]:
         """Like generate() (same options), yielding text as it becomes final: multi-byte characters
@@ -183,23 +195,23 @@ class Session:
             if rest := assembler.finish(generation.stop_string):
                 yield rest
 
-    def fork(self, at: int | None = None) -> Session:
+    def fork(self, at: int | None = None, *, timeout_s: float | None = None) -> Session:
         """A new session sharing the first `at` tokens (None: all) of this history, and their K/V."""
         request = wire.message(pb.ForkSessionRequest, session_id=self.id, at=at)
-        return Session(self.client, self.client._call(self.client._stub.ForkSession, request).session.session_id)
+        return Session(self.client, self.client._call(self.client._stub.ForkSession, request, timeout_s).session.session_id)
 
-    def snapshot(self) -> str:
+    def snapshot(self, *, timeout_s: float | None = None) -> str:
         """Save this (idle) session as a checkpoint; returns its id once it is durable."""
         request = wire.message(pb.SnapshotSessionRequest, session_id=self.id)
-        return (self.client._call(self.client._stub.SnapshotSession, request)).snapshot.snapshot_id
+        return (self.client._call(self.client._stub.SnapshotSession, request, timeout_s)).snapshot.snapshot_id
 
-    def info(self) -> SessionInfo:
+    def info(self, *, timeout_s: float | None = None) -> SessionInfo:
         request = wire.message(pb.GetSessionInfoRequest, session_id=self.id)
-        return wire.session_info(self.client._call(self.client._stub.GetSessionInfo, request).session)
+        return wire.session_info(self.client._call(self.client._stub.GetSessionInfo, request, timeout_s).session)
 
-    def close(self) -> None:
+    def close(self, *, timeout_s: float | None = None) -> None:
         """Ends the session and frees its K/V; later calls on it raise NotFoundError."""
-        self.client._call(self.client._stub.CloseSession, wire.message(pb.CloseSessionRequest, session_id=self.id))
+        self.client._call(self.client._stub.CloseSession, wire.message(pb.CloseSessionRequest, session_id=self.id), timeout_s)
 
     def __enter__(self) -> Session:
         return self

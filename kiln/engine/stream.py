@@ -175,15 +175,20 @@ class AsyncGenerationStream(BaseStream):
     over with call_soon_threadsafe, and everything else (the backlog, pausing, the stall timer) happens
     on that loop, so no decision races with the consumer's."""
 
-    def __init__(self, cancel: Callable[[Request], None], backpressure: Backpressure | None = None) -> None:
+    def __init__(self, cancel: Callable[[Request], None]) -> None:
         super().__init__(cancel)
         self._loop = asyncio.get_running_loop()
         self._events: deque[Event] = deque()
         self._arrived = asyncio.Event()
-        self._backpressure = backpressure
+        self._backpressure: Backpressure | None = None
         self._backlog = 0  # token events not yet taken by the consumer
         self._stall_timer: asyncio.TimerHandle | None = None
         self.stalled = asyncio.Event()  # set when the stall timeout cancelled the generation
+
+    def hold_back(self, backpressure: Backpressure) -> None:
+        """Pause the generation while the consumer does not keep up (see Backpressure); call it before the
+        request is submitted. Without it the stream buffers whatever the engine commits."""
+        self._backpressure = backpressure
 
     def emit(self, event: Event) -> None:
         """Hands the event to the consumer's loop. A loop that closed (its consumer gone for good) takes

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import math
 import signal
 import socket
 import sys
@@ -24,12 +25,14 @@ import uvicorn
 
 from kiln.engine.constraints import compiler_for
 from kiln.engine.engine import Engine
+from kiln.engine.stream import DEFAULT_STALL_TIMEOUT_S
 from kiln.errors import InvalidArgumentError, UnavailableError
 from kiln.llm import LLM
 from kiln.server.access_log import AccessLog
 from kiln.server.auth import ApiKeys
 from kiln.server.auth_failures import AuthFailures, ThrottleRule
 from kiln.server.grpc import build_grpc_server
+from kiln.server.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from kiln.server.http import build_http_app
 from kiln.server.http_connections import HttpLimits, ensure_fd_limit
 from kiln.server.http_guard import HttpGuard
@@ -57,6 +60,8 @@ class ServeOptions:
     cors_origins: tuple[str, ...] = ()  # web pages that may call the HTTP API
     http_limits: HttpLimits = HttpLimits()  # HTTP connection cap and timeouts (kiln/server/http_connections.py)
     access_log: AccessLog = AccessLog()  # format and content of the request log (kiln/server/access_log.py)
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # a generation paused by a client that stopped reading: cancelled after
+    grpc_limits: GrpcLimits = DEFAULT_GRPC_LIMITS  # calls, streams, keepalive, connection idle/age (kiln/server/grpc_limits.py)
 
     def __post_init__(self) -> None:
         self.http_guard()  # a bad --allowed-host or --cors-origin fails at start-up
@@ -64,6 +69,8 @@ class ServeOptions:
             raise InvalidArgumentError(f"max_request_bytes must be positive, got {self.max_request_bytes}")
         if self.auth_failure_threshold < 0:
             raise InvalidArgumentError(f"auth_failure_threshold must be 0 (off) or more, got {self.auth_failure_threshold}")
+        if not 0 < self.stall_timeout_s < math.inf:
+            raise InvalidArgumentError(f"stall_timeout_s must be a positive number of seconds, got {self.stall_timeout_s}")
 
     def http_guard(self) -> HttpGuard:
         return HttpGuard.for_bind(self.host, self.allowed_hosts, self.cors_origins)
@@ -119,7 +126,8 @@ async def serve_async(llm: LLM, options: ServeOptions) -> None:
     metrics = Metrics(llm)
     metrics.watch_auth(keys.failures)
     model_name = served_name(llm.loaded.config.name or llm.loaded.source.name)
-    service = RuntimeService(llm, model_name, options.served_model_names, Quotas(keys.limits, llm.sessions.owner_usage))
+    service = RuntimeService(llm, model_name, options.served_model_names, Quotas(keys.limits, llm.sessions.owner_usage),
+                             stall_timeout_s=options.stall_timeout_s)
     # the constraint compiler's tokenizer index takes seconds on a large vocabulary: build it now, beside
     # startup, rather than in the first structured-output request
     loaded = llm.loaded
@@ -127,7 +135,7 @@ async def serve_async(llm: LLM, options: ServeOptions) -> None:
                      name="kiln-grammar-warmup", daemon=True).start()
     grpc_address = f"{options.host}:{options.grpc_port}"
     grpc_server = build_grpc_server(service, keys, metrics, grpc_address, options.max_request_bytes,
-                                    tls=options.tls, access=options.access_log)
+                                    tls=options.tls, access=options.access_log, limits=options.grpc_limits)
     http_app = build_http_app(service, keys, metrics, options.max_request_bytes, options.http_guard(), options.access_log)
     http = _Uvicorn(uvicorn.Config(http_app, host=options.host, port=options.http_port,
                                    log_level="warning", lifespan="off", timeout_graceful_shutdown=2,

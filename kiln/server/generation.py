@@ -109,6 +109,27 @@ async def _disconnect(receive: Receive) -> None:
         pass
 
 
+async def _stalled_first(response: Awaitable[None], streams: Sequence[AsyncGenerationStream]) -> bool:
+    """Runs the response unless a stream's stall timeout cancels its generation first (the client stopped
+    reading, so its writes wait for good): then the response is dropped unfinished, on which the server
+    closes the connection. True in that case."""
+    task = asyncio.ensure_future(response)
+    stalls = [asyncio.ensure_future(stream.stalled.wait()) for stream in streams]
+    try:
+        await asyncio.wait((task, *stalls), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for stall in stalls:
+            stall.cancel()
+        stalled = not task.done()
+        if stalled:
+            task.cancel()
+    if stalled:
+        await asyncio.wait((task,))
+        return True
+    task.result()
+    return False
+
+
 def sse_event(payload: object) -> bytes:
     """One `data:` event. JSON is ASCII-escaped so that no character in the text (U+2028, U+0085, ...)
     can look like a line break to a client that splits lines loosely."""
@@ -141,7 +162,8 @@ class SseResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            if await _stalled_first(super().__call__(scope, receive, send), self.streams):
+                self.outcome = "CANCELLED"
         finally:
             if any(not stream.finished for stream in self.streams):
                 self.outcome = self.outcome or "CANCELLED"

@@ -21,12 +21,13 @@ from google.protobuf.message import DecodeError, Message
 
 from kiln.engine.constraints import Constraint
 from kiln.engine.stream import AsyncGenerationStream
-from kiln.errors import InvalidArgumentError, KilnError
+from kiln.errors import CancelledError, InvalidArgumentError, KilnError
 from kiln.results import GenerationResult, SessionInfo, SnapshotInfo
 from kiln.server import access_log
 from kiln.server.access_log import AccessLog
 from kiln.server.auth import ApiKeys
 from kiln.server.auth_failures import grpc_peer_address
+from kiln.server.grpc_limits import DEFAULT_GRPC_LIMITS, GrpcLimits
 from kiln.server.metrics import Metrics
 from kiln.server.quotas import retry_after
 from kiln.server.service import MAX_REQUEST_BYTES, GenerateRequest, RuntimeService
@@ -54,13 +55,14 @@ Handler = Callable[["RuntimeServicer", Any, str | None], Message]  # (servicer, 
 
 def build_grpc_server(service: RuntimeService, keys: ApiKeys, metrics: Metrics, address: str,
                       max_request_bytes: int = MAX_REQUEST_BYTES, tls: TlsSettings | None = None,
-                      access: AccessLog | None = None) -> grpc.aio.Server:
+                      access: AccessLog | None = None, limits: GrpcLimits = DEFAULT_GRPC_LIMITS) -> grpc.aio.Server:
     """A server for `address` ("host:port"), bound but not started. Build it on the event loop that will
     run it: generations stream their tokens to that loop. Binding a port another process listens on
     fails (gRPC would otherwise share it via SO_REUSEPORT and split the traffic between servers). A
     larger request message is refused by gRPC itself with RESOURCE_EXHAUSTED. With `tls` the port speaks
-    only TLS (kiln/server/tls.py)."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_request_bytes)])
+    only TLS (kiln/server/tls.py). `limits` (kiln/server/grpc_limits.py) caps calls, streams and connections."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_request_bytes),
+                                      *limits.channel_options()], maximum_concurrent_rpcs=limits.rpc_limit)
     handlers = _method_handlers(RuntimeServicer(service, keys, metrics, access))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(rpc.SERVICE.full_name, handlers),))
     if tls is None:
@@ -215,44 +217,40 @@ class RuntimeServicer:
                 await context.send_initial_metadata(())
                 async with contextlib.aclosing(token_batches(stream)) as batches:
                     async for ids, logprobs in batches:
-                        await context.write(pb.GenerateEvent(tokens=pb.TokenChunk(token_ids=ids, logprobs=logprobs)))
-                await context.write(pb.GenerateEvent(finish=_finish(await stream.result())))
+                        await _write(context, stream, pb.GenerateEvent(tokens=pb.TokenChunk(token_ids=ids, logprobs=logprobs)))
+                await _write(context, stream, pb.GenerateEvent(finish=_finish(await stream.result())))
             finally:
                 stream.cancel()
 
 
 async def token_batches(stream: AsyncGenerationStream) -> AsyncIterator[tuple[list[int], list[float]]]:
-    """(token ids, their logprobs) of a stream, grouped by what is ready when the consumer asks. A pump
-    task takes tokens off the stream as they commit, so each batch holds every token that arrived while
-    the consumer was busy (e.g. writing the previous batch to a slow client), and a lone token is handed
-    over at once: fewer messages, no added latency. Raises the generation's error after its last tokens."""
-    ids: list[int] = []
-    arrived = asyncio.Event()
-
-    async def pump() -> None:
-        try:
-            async for token in stream:
-                ids.append(token)
-                arrived.set()
-        finally:
-            arrived.set()
-
-    task = asyncio.create_task(pump())
+    """(token ids, their logprobs) of a stream, grouped by what is ready when the consumer asks: each
+    batch holds every token that arrived while the consumer was busy (e.g. writing the previous batch to
+    a slow client), and a lone token is handed over at once: fewer messages, no added latency. Tokens
+    wait in the stream, not here, so a client that stops reading pauses the generation (the stream's
+    Backpressure). Raises the generation's error after its last tokens."""
     sent = 0
+    while batch := await stream.batch():
+        yield batch, stream.logprobs_from(sent)
+        sent += len(batch)
+
+
+async def _write(context: grpc.aio.ServicerContext, stream: AsyncGenerationStream, message: Message) -> None:
+    """Write one message, unless the client stays behind until the stream's stall timeout cancels the
+    generation (the write waits on HTTP/2 flow control meanwhile): then the call ends CANCELLED, the
+    client getting what it had buffered, then the status."""
+    write = asyncio.ensure_future(context.write(message))
+    stalled = asyncio.ensure_future(stream.stalled.wait())
     try:
-        while True:
-            await arrived.wait()
-            arrived.clear()
-            ended = task.done()  # read before taking the ids, so none that arrive later are missed
-            if sent < len(ids):
-                batch, logprobs = ids[sent:], stream.logprobs_from(sent)
-                sent = len(ids)
-                yield batch, logprobs
-            if ended:
-                task.result()
-                return
+        await asyncio.wait((write, stalled), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        task.cancel()
+        stalled.cancel()
+        behind = not write.done()
+        if behind:
+            write.cancel()
+    if behind:
+        raise CancelledError("the client read nothing for the server's stall timeout; the generation was cancelled")
+    write.result()
 
 
 def _retry_after(error: Exception) -> tuple[tuple[str, str], ...]:

@@ -56,7 +56,7 @@ class _EngineState(Collector):
                                 "engine step so far (gathered or streamed K/V, scores)", value=stats.max_step_attention_bytes)
         yield _labelled_counter("kiln_kv_dropped_tokens", "Tokens whose K/V was given back for room, by whose "
                                 "(histories stay; the K/V is recomputed when needed)", "reason",
-                                stats.kv_dropped_tokens, ("idle", "waiting", "preempted"))
+                                stats.kv_dropped_tokens, ("idle", "paused", "waiting", "preempted"))
         yield CounterMetricFamily("kiln_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                   value=stats.prefix_hit_tokens)
         yield CounterMetricFamily("kiln_reused_tokens", "Prompt tokens whose K/V was resident (sessions and prefix cache)",
@@ -67,6 +67,12 @@ class _EngineState(Collector):
         yield _labelled_counter("kiln_generations", "Generations by finish reason", "reason",
                                 stats.requests_by_outcome, ("stop", "length", "cancelled", "error"))
         yield CounterMetricFamily("kiln_preemptions", "Requests preempted for KV pages", value=stats.preemptions)
+        yield GaugeMetricFamily("kiln_generations_paused", "Generations set aside now because their clients stopped "
+                                "reading (pages kept, no steps)", value=stats.paused_now)
+        yield CounterMetricFamily("kiln_generation_pauses", "Times a generation was paused because its client stopped reading",
+                                  value=stats.pauses)
+        yield CounterMetricFamily("kiln_generation_stall_cancels", "Generations cancelled after staying paused for "
+                                  "--stall-timeout-s", value=stats.stall_cancels)
         # Speculative decoding: acceptance rate = accepted / proposed; tokens per forward of a draft-carrying
         # row = (accepted + verify_steps) / verify_steps.
         yield CounterMetricFamily("kiln_spec_proposed_tokens", "Draft tokens proposed (speculative decoding)",

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from kiln.engine.constraints import Constraint
 from kiln.engine.sampler import SamplingParams
-from kiln.engine.stream import AsyncGenerationStream
+from kiln.engine.stream import DEFAULT_STALL_TIMEOUT_S, AsyncGenerationStream, Backpressure
 from kiln.errors import InvalidArgumentError, KilnError
 from kiln.llm import LLM
 from kiln.results import SessionInfo, SnapshotInfo
@@ -56,8 +56,10 @@ def served_name(name: str) -> str:
 class RuntimeService:
     DEFAULT_MAX_TOKENS = 256
 
-    def __init__(self, llm: LLM, model_name: str, aliases: Sequence[str] = (), quotas: Quotas | None = None) -> None:
+    def __init__(self, llm: LLM, model_name: str, aliases: Sequence[str] = (), quotas: Quotas | None = None,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S) -> None:
         self.llm = llm
+        self.backpressure = Backpressure(llm.engine.resume, stall_timeout_s)  # a client that stops reading
         self.quotas = quotas or Quotas.unlimited()  # per-key limits (kiln/server/quotas.py)
         self.model_name = model_name
         self.aliases = tuple(alias for alias in aliases if alias != model_name)
@@ -70,6 +72,11 @@ class RuntimeService:
     def _admit(self) -> None:
         if not self.accepting:
             raise ShuttingDownError("the server is shutting down and takes no new work")
+
+    def _stream(self) -> MeteredStream:
+        stream = MeteredStream(self.llm.engine.cancel)
+        stream.hold_back(self.backpressure)
+        return stream
 
     def sampling_params(self, request: GenerateRequest) -> SamplingParams:
         """Defaults filled in, limits checked against this model (max_tokens past the context window is
@@ -114,7 +121,7 @@ class RuntimeService:
         """Await on the event loop that consumes the stream. The submission itself (session and engine
         locks) runs on a worker thread: the loop never waits on a lock."""
         self._admit()
-        stream = MeteredStream(self.llm.engine.cancel)
+        stream = self._stream()
         params = self.sampling_params(request)
         await submitted([stream], lambda: self.quotas.admitted(
             owner, [stream], lambda: self.sessions.generate(session_id, params, owner, stream), session=True))
@@ -164,7 +171,7 @@ class RuntimeService:
         """A stateless generation: shares cached pages with any earlier request of the same prefix.
         Submitted from a worker thread, like `generate`."""
         self._admit()
-        stream = MeteredStream(self.llm.engine.cancel)
+        stream = self._stream()
         params = self.sampling_params(request)
         await submitted([stream], lambda: self.quotas.admitted(owner, [stream], lambda: self.llm.start(list(tokens), params, stream)))
         return stream
@@ -173,7 +180,7 @@ class RuntimeService:
                                owner: str | None = None) -> list[AsyncGenerationStream]:
         """`n` stateless generations of one prompt that compute it once (LLM.start_choices)."""
         self._admit()
-        streams = [MeteredStream(self.llm.engine.cancel) for _ in range(n)]
+        streams = [self._stream() for _ in range(n)]
         params = self.sampling_params(request)
         return await submitted(streams, lambda: self.quotas.admitted(
             owner, streams, lambda: self.llm.start_choices(list(tokens), params, streams)))

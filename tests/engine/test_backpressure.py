@@ -98,7 +98,8 @@ async def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 
 async def paused_generation(llm, backpressure_for, max_tokens: int = 200):  # noqa: ANN001, ANN201
     """A session generate whose stream nobody reads, until the engine set it aside."""
     session = llm.create_session(PROMPT)
-    stream = AsyncGenerationStream(llm.engine.cancel, backpressure_for(llm.engine.resume))
+    stream = AsyncGenerationStream(llm.engine.cancel)
+    stream.hold_back(backpressure_for(llm.engine.resume))
     llm.sessions.generate(session.id, SamplingParams(max_tokens=max_tokens, ignore_eos=True), stream=stream)
     await wait_for(lambda: llm.engine.stats.paused_now == 1, "the unread generation was paused")
     return session, stream
