@@ -68,6 +68,15 @@ _BYTE_LEVEL_SCHEMES = {
 }
 
 
+def check_unicode(text: str, what: str = "text") -> None:
+    """Raises InvalidArgumentError naming `what` if `text` cannot be UTF-8 (a lone surrogate, e.g. from a
+    JSON "\\ud800" escape): the one check for every text a request carries (prompts, messages, stop)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidArgumentError(f"{what} is not valid Unicode: {error.reason} at character {error.start}") from None
+
+
 class Tokenizer:
     """Token ids for text and text for token ids. `encode` adds BOS (and EOS) exactly when the model's
     reference tokenizer does; `eos_token_ids` are every id that ends generation."""
@@ -85,12 +94,7 @@ class Tokenizer:
         self.chat_template = chat_template
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as error:  # a lone surrogate, e.g. from a JSON "\ud800" escape
-            raise InvalidArgumentError(
-                f"text is not valid Unicode: {error.reason} at character {error.start}"
-            ) from None
+        check_unicode(text)
         # The batch calls release the GIL while they work (encode/decode hold it): tokenizing megabytes
         # on a server thread must not stall the event loop and the engine.
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids

@@ -75,10 +75,22 @@ class ToolChoice:
         return self.mode != "none"
 
 
+def check_names(tools: Sequence[Tool]) -> None:
+    """Raises InvalidArgumentError (param `tools`) if two tools share a name: a call names its function,
+    so a repeated name would make the call ambiguous and its arguments' schema unknowable."""
+    first: dict[str, int] = {}
+    for index, tool in enumerate(tools):
+        if tool.name in first:
+            raise InvalidArgumentError(f"tools[{index}].function.name {tool.name!r} repeats tools[{first[tool.name]}]'s; "
+                                       "tool names must be unique", "tools")
+        first[tool.name] = index
+
+
 def grammar(tools: Sequence[Tool], choice: ToolChoice, plain_json: Mapping | None = None) -> str | None:
     """The Lark grammar (llguidance dialect) of the replies `choice` allows, or None when the tools
     constrain nothing (`none`). `plain_json`: the JSON schema a non-call reply must match under `auto`
-    (from response_format), instead of free text."""
+    (from response_format), instead of free text. Tools with repeated names are refused (check_names)."""
+    check_names(tools)
     if not choice.calls_allowed:
         return None
     callable_tools = [tool for tool in tools if choice.function in (None, tool.name)]

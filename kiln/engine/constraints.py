@@ -9,8 +9,9 @@ triton and transformers). Three pieces:
 
 - `Constraint`: what the text must match, compared by content.
 - `ConstraintCompiler` (one per model vocabulary, shared process-wide): turns a constraint into a
-  compiled grammar once (LRU cache by content) in the caller's thread, never on the engine thread.
-  Its tokenizer index costs seconds on a large vocabulary, so it is built on first use or by `warm()`.
+  compiled grammar once (LRU cache by content) on a compile thread of its own for the caller, never on
+  the engine thread. Its tokenizer index costs seconds on a large vocabulary, so it is built on first
+  use or by `warm()`.
 - `Matcher`: one generation's position in its grammar (fill the allowed-token mask, accept a token,
   roll back, terminated?), and `constrain`, which applies a batch's masks and logit biases before
   sampling.
@@ -19,6 +20,14 @@ JSON is generated in one canonical layout, `{"a": 1, "b": [2, 3]}` (no free whit
 given free whitespace may pad forever. EOS is allowed exactly when the grammar accepts the text so
 far; when nothing but EOS could follow, the matcher is terminated and the engine ends the generation
 ("stop") without spending a step on the EOS.
+
+Hostile sources: a constraint over the limits of kiln/engine/constraint_limits.py is refused when it is
+made; compiles run on big-stack threads under a time bound (kiln/engine/compile_threads.py); a grammar
+that cannot produce a complete text within llguidance's limits is refused at compile by a probe (the
+first tokens along the lowest allowed ids: an unproductive `$ref` or rule chain, or a regex whose lexer
+explodes, fails there). One whose failure lies past a choice the probe did not take fails when a
+generation reaches it, as InvalidArgumentError for that request, never as an invariant violation; an
+unproductive grammar with a choice at every step (`a: ("x" | "y") a`) generates until max_tokens.
 """
 
 from __future__ import annotations
@@ -34,12 +43,15 @@ import llguidance
 import numpy as np
 import torch
 
+from kiln.engine.compile_threads import CompileThreads
+from kiln.engine.constraint_limits import LIMITS, check_schema, check_source, parse_schema
 from kiln.errors import InvalidArgumentError, InvariantViolation
 from kiln.tokenizer import Tokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-MAX_SOURCE_CHARS = 256 * 1024  # a schema or grammar larger than this is refused before compiling
+MAX_SOURCE_CHARS = LIMITS.max_source_chars  # a schema or grammar larger than this is refused before compiling
+PROBE_TOKENS = 4  # tokens a compile walks to find a grammar that fails within llguidance's limits
 CACHE_ENTRIES = 256  # compiled grammars kept per vocabulary (least recently used dropped first)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 
@@ -58,13 +70,10 @@ class Constraint:
     def json_schema(cls, schema: object, param: str = "json_schema") -> Constraint:
         """A JSON schema as a mapping or JSON text (a boolean schema does not compile)."""
         if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as error:
-                raise InvalidArgumentError(f"{param} is not valid JSON: {error}", param) from None
+            schema = parse_schema(schema, param)
         if not isinstance(schema, Mapping | bool):
             raise InvalidArgumentError(f"{param} must be a JSON schema (an object), got {type(schema).__name__}", param)
-        return cls("json_schema", json.dumps(closed(schema), ensure_ascii=False), param)
+        return cls("json_schema", json.dumps(closed(schema, param), ensure_ascii=False), param)
 
     @classmethod
     def json_object(cls, param: str = "json_object") -> Constraint:
@@ -96,9 +105,7 @@ class Constraint:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidArgumentError(f"constraint kind must be one of {', '.join(KINDS)}, got {self.kind!r}", self.param)
-        if len(self.source) > MAX_SOURCE_CHARS:
-            raise InvalidArgumentError(f"{self.param or self.kind} is longer than {MAX_SOURCE_CHARS} characters",
-                                       self.param or None)
+        check_source(self.kind, self.source, self.param or self.kind)
 
     def grammar_text(self) -> str:
         """The constraint in llguidance's grammar format."""
@@ -112,11 +119,13 @@ class Constraint:
         except ValueError as error:  # a schema that is not an object (true, false)
             self._refuse(str(error))
 
-    def check(self) -> None:
+    def check(self, threads: CompileThreads | None = None) -> None:
         """Raises InvalidArgumentError naming `param` if the constraint does not compile (an invalid
-        schema, an unsupported keyword, a bad regex or grammar). Needs no tokenizer: cheap enough for a
-        server to check each part of a request before anything runs."""
-        error = llguidance.LLMatcher.validate_grammar(self.grammar_text())
+        schema, an unsupported keyword, a bad regex or grammar, a compile over the time limit). Needs no
+        tokenizer: cheap enough for a server to check each part of a request before anything runs. On a
+        compile thread (`threads`, default the process's), like every compile."""
+        error = (threads or compile_threads).run(lambda: llguidance.LLMatcher.validate_grammar(self.grammar_text()),
+                                                 self.param or self.kind, self.param or None)
         if error:
             self._refuse(error)
 
@@ -125,14 +134,21 @@ class Constraint:
         raise InvalidArgumentError(f"{where} does not compile: {error.strip()}", self.param or None)
 
 
-def closed(schema: object, close: bool = True) -> object:
+def closed(schema: object, param: str = "json_schema") -> object:
     """The schema with every object that lists `properties` closed to others (additionalProperties:
     false) unless it says otherwise, as OpenAI's strict mode and xgrammar's do: what is generated still
     validates against the schema, and a model cannot pad an object with keys nobody asked for (a base
     model happily copies the schema into its arguments). An object combined with allOf/anyOf/oneOf, and
-    the members of an allOf, stay open: each describes only part of the object."""
+    the members of an allOf, stay open: each describes only part of the object. A schema over the
+    limits of kiln/engine/constraint_limits.py is refused first (InvalidArgumentError naming `param`):
+    closing recurses as deep as the schema."""
+    check_schema(schema, param)
+    return _closed(schema)
+
+
+def _closed(schema: object, close: bool = True) -> object:
     if isinstance(schema, list):
-        return [closed(item, close) for item in schema]
+        return [_closed(item, close) for item in schema]
     if not isinstance(schema, Mapping):
         return schema
     result = {key: _closed_member(key, value) for key, value in schema.items()}
@@ -144,12 +160,12 @@ def closed(schema: object, close: bool = True) -> object:
 
 def _closed_member(key: str, value: object) -> object:
     if key in ("properties", "$defs", "definitions", "dependentSchemas") and isinstance(value, Mapping):
-        return {name: closed(member) for name, member in value.items()}
+        return {name: _closed(member) for name, member in value.items()}
     if key in ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "not", "if", "then", "else",
                "contains", "additionalItems"):
-        return closed(value)
+        return _closed(value)
     if key == "allOf":
-        return closed(value, close=False)
+        return _closed(value, close=False)
     return value
 
 
@@ -159,12 +175,16 @@ def _text(value: object, param: str) -> str:
     return value
 
 
-class ConstraintCompiler:
-    """Compiles constraints for one vocabulary. Thread-safe: compiles run in callers' threads (a
-    server's worker threads), so the engine thread only ever advances matchers."""
+compile_threads = CompileThreads()  # the process's compile threads (every vocabulary's compiler shares them)
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+
+class ConstraintCompiler:
+    """Compiles constraints for one vocabulary. Thread-safe: compiles run on compile threads for their
+    callers (a server's worker threads), so the engine thread only ever advances matchers."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, threads: CompileThreads | None = None) -> None:
         self.vocab_size = vocab_size
+        self.threads = threads or compile_threads
         self.model_eos = tuple(tokenizer.eos_token_ids)
         self._tokenizer = tokenizer
         self._index: llguidance.LLTokenizer | None = None
@@ -184,15 +204,28 @@ class ConstraintCompiler:
             if constraint in self._cache:
                 self._cache.move_to_end(constraint)
                 return self._cache[constraint]
-        compiled = llguidance.LLMatcher(self._tokens(), constraint.grammar_text(), log_level=0)
-        if compiled.is_error():
-            constraint._refuse(compiled.get_error())
-        if Matcher(compiled.deep_copy(), self.vocab_size, frozenset(), self.model_eos).is_terminated():
-            constraint._refuse("it matches only the empty text")
+        tokens = self._tokens()
+        compiled = self.threads.run(lambda: self._compiled(constraint, tokens), constraint.param or constraint.kind,
+                                    constraint.param or None)
         with self._cache_lock:
             self._cache[constraint] = compiled
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
+        return compiled
+
+    def _compiled(self, constraint: Constraint, tokens: llguidance.LLTokenizer) -> llguidance.LLMatcher:
+        """Compile and probe (on a compile thread): refused if it does not compile, matches only the
+        empty text, or fails within PROBE_TOKENS tokens along the lowest allowed ids."""
+        compiled = llguidance.LLMatcher(tokens, constraint.grammar_text(), log_level=0)
+        if compiled.is_error():
+            constraint._refuse(compiled.get_error())
+        probe = Matcher(compiled.deep_copy(), self.vocab_size, frozenset(), self.model_eos)
+        if probe.is_terminated():
+            constraint._refuse("it matches only the empty text")
+        try:
+            probe.walk(PROBE_TOKENS)
+        except InvalidArgumentError:
+            constraint._refuse(f"it cannot produce a complete text within the grammar engine's limits: {probe.failure()}")
         return compiled
 
     def matcher(self, constraint: Constraint, stop_ids: frozenset[int]) -> Matcher:
@@ -201,7 +234,7 @@ class ConstraintCompiler:
         compiled = self.compile(constraint)
         with self._cache_lock:  # copying reads the shared compiled grammar
             inner = compiled.deep_copy()
-        return Matcher(inner, self.vocab_size, stop_ids, self.model_eos)
+        return Matcher(inner, self.vocab_size, stop_ids, self.model_eos, constraint.param or constraint.kind)
 
     def _tokens(self) -> llguidance.LLTokenizer:
         with self._index_lock:
@@ -232,8 +265,9 @@ class Matcher:
     submitted)."""
 
     def __init__(self, inner: llguidance.LLMatcher, vocab_size: int, stop_ids: frozenset[int],
-                 model_eos: Sequence[int]) -> None:
+                 model_eos: Sequence[int], param: str = "constraint") -> None:
         self._inner = inner
+        self._param = param  # the request field the constraint came from, for errors
         self._vocab_size = vocab_size
         self._stop_set = frozenset(t for t in stop_ids if 0 <= t < vocab_size)
         # the model's EOS ids that do not end this generation (ignore_eos): never allowed
@@ -260,9 +294,9 @@ class Matcher:
     def _text_tokens(self) -> np.ndarray:
         """The tokens the grammar can take next as text (no EOS), computed once per state."""
         if not self._fresh:
-            if self._inner.is_error():  # only a bug gets here: every accepted token was allowed
-                raise InvariantViolation("constraint", f"grammar matcher failed: {self._inner.get_error()}")
+            self._raise_if_failed()
             self._inner.unsafe_compute_mask_ptr(self._text_mask.ctypes.data, self._text_mask.nbytes)
+            self._raise_if_failed()
             _set_bits(self._text_mask, self._model_eos, False)
             self._fresh = True
         return self._text_mask
@@ -286,8 +320,42 @@ class Matcher:
         consumed = sum(self._steps[len(self._steps) - count :])
         del self._steps[len(self._steps) - count :]
         if consumed and not self._inner.rollback(consumed):
+            self._raise_if_failed()
             raise RuntimeError(f"llguidance could not roll back {consumed} tokens: {self._inner.get_error()}")
         self._fresh = self._fresh and not consumed
+
+    def refusal(self, token: int) -> Exception:
+        """Why `accept(token)` failed for a sampled token: the grammar over llguidance's limits (an
+        InvalidArgumentError for the request), else a token outside the mask (only a bug: an invariant)."""
+        try:
+            self._raise_if_failed()
+        except InvalidArgumentError as error:
+            return error
+        return InvariantViolation("constraint", f"sampled token {token} outside the mask")
+
+    def failure(self) -> str | None:
+        """Why the matcher failed (the first line of llguidance's error, not its parser state dump), or
+        None while it works. Every token it accepted was allowed, so a failure is the grammar hitting one
+        of llguidance's limits (items per step, lexer states): the constraint is too complex."""
+        if not self._inner.is_error():
+            return None
+        return (self._inner.get_error().strip().splitlines() or ["unknown error"])[0]
+
+    def _raise_if_failed(self) -> None:
+        if (reason := self.failure()) is not None:
+            raise InvalidArgumentError(f"{self._param} exceeded the grammar engine's limits during generation: {reason}",
+                                       self._param)
+
+    def walk(self, steps: int) -> None:
+        """Advance up to `steps` tokens, each the lowest text token allowed, until the grammar accepts:
+        raises InvalidArgumentError if it fails on the way (a compile-time probe; use a copy)."""
+        for _ in range(steps):
+            if self._inner.is_accepting():
+                return
+            allowed = np.flatnonzero(_unpack(self._text_tokens()[None, :], self._vocab_size)[0])
+            if not len(allowed) or not self.accept(int(allowed[0])):
+                self._raise_if_failed()
+                return
 
     def eos_allowed(self) -> bool:
         """Whether the grammar accepts the text so far (the generation may end here)."""
@@ -295,7 +363,12 @@ class Matcher:
 
     def is_terminated(self) -> bool:
         """The text is complete: a stop id ended it, or nothing but EOS could follow."""
-        return bool(self._steps and not self._steps[-1]) or not self._text_tokens().any()
+        if self._steps and not self._steps[-1]:
+            return True
+        try:
+            return not self._text_tokens().any()
+        except InvalidArgumentError:  # over llguidance's limits: the next mask fails this request alone
+            return False
 
     @property
     def accepted(self) -> int:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 from kiln.engine.sequence import Event, FinishEvent, Request, TokenEvent
 from kiln.engine.stats import EngineStats
-from kiln.errors import InvariantViolation
 from kiln.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -92,8 +91,8 @@ class Outputs:
 
     def _accept_tokens(self, request: Request, tokens: list[Sampled], accepted: Accepted) -> None:
         for token, logprob, top in tokens:
-            if request.matcher is not None and not request.matcher.accept(token):  # only a bug gets here
-                accepted.failures.append((request, InvariantViolation("constraint", f"sampled token {token} outside the mask")))
+            if request.matcher is not None and not request.matcher.accept(token):  # over the grammar engine's limits, or a bug
+                accepted.failures.append((request, request.matcher.refusal(token)))
                 return
             reason, stop_string = self._accept(request, token, logprob, top)
             if reason:

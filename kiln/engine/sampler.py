@@ -14,12 +14,14 @@ from kiln.engine.constraints import MAX_LOGIT_BIAS, Constraint
 from kiln.errors import InvalidArgumentError
 from kiln.kernels import kernels
 from kiln.kernels import supported as kernels_supported
+from kiln.tokenizer import check_unicode
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # colder sampling is argmax in effect (and may round to 0 in float32)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters
 MAX_TOP_LOGPROBS = 20  # alternatives reported per position (OpenAI's limit)
+INT32_MAX = 2**31 - 1  # counts (max_tokens, top_k) fit the wire's int32 fields
 
 
 @dataclass(frozen=True)
@@ -53,9 +55,9 @@ class SamplingParams:
             raise InvalidArgumentError("; ".join(problem for _, problem in problems), problems[0][0])
 
     def _problems(self) -> Iterator[tuple[str, str | None]]:
-        yield "max_tokens", _integer_in("max_tokens", self.max_tokens, 1, None)
+        yield "max_tokens", _integer_in("max_tokens", self.max_tokens, 1, INT32_MAX)
         yield "temperature", _number_in("temperature", self.temperature, 0.0, 100.0, low_open=False)
-        yield "top_k", _integer_in("top_k", self.top_k, 0, None)
+        yield "top_k", _integer_in("top_k", self.top_k, 0, INT32_MAX)
         yield "top_p", _number_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
         if self.seed is not None:
             yield "seed", _integer_in("seed", self.seed, *SEED_RANGE)
@@ -63,6 +65,8 @@ class SamplingParams:
             yield "stop", f"stop must be a string or a list of non-empty strings, got {self.stop!r}"
         elif len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self.stop):
             yield "stop", f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_LENGTH} characters"
+        else:
+            yield "stop", _unicode_problem(self.stop)
         if not isinstance(self.stop_token_ids, tuple) or not all(_is_integer(t) for t in self.stop_token_ids):
             yield "stop_token_ids", f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}"
         if not isinstance(self.ignore_eos, bool) or not isinstance(self.logprobs, bool):
@@ -86,6 +90,15 @@ def _is_integer(value: object) -> bool:
 def _is_bias(pair: object) -> bool:
     return (isinstance(pair, tuple) and len(pair) == 2 and _is_integer(pair[0]) and _number_in("", pair[1],
             -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, low_open=False) is None)
+
+
+def _unicode_problem(texts: tuple[str, ...]) -> str | None:
+    try:
+        for index, text in enumerate(texts):
+            check_unicode(text, f"stop[{index}]")
+    except InvalidArgumentError as error:
+        return str(error)
+    return None
 
 
 def _integer_in(name: str, value: object, low: int, high: int | None) -> str | None:
