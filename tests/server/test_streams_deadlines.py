@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
+from kiln.cli import main
 from kiln.client import (
     AsyncClient,
     Client,
@@ -294,3 +295,13 @@ def sse_request(server: ServerHandle, body: dict, receive_buffer: int = 4096) ->
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
     return sock
+
+
+@pytest.mark.parametrize(("flags", "fault"), [
+    (("--stall-timeout-s", "0"), "stall_timeout_s must be a positive number of seconds"),
+    (("--stall-timeout-s", "nan"), "stall_timeout_s must be a positive number of seconds"),
+    (("--max-concurrent-rpcs", "-1"), "max_concurrent_rpcs must be 0 (no limit) or more"),
+])
+def test_bad_limits_stop_kiln_serve_with_status_2(capsys, flags, fault):
+    assert main(["serve", "--no-persist", *flags]) == 2  # before any model loads
+    assert fault in capsys.readouterr().err
