@@ -35,7 +35,7 @@ class ConstraintLimits:
     max_rules: int = 2_000
     max_schema_depth: int = 64
     max_repeat_product: int = 10_000
-    max_repeat_size: int = 50_000
+    max_repeat_size: int = 20_000
 
 
 LIMITS = ConstraintLimits()
