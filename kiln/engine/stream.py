@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kiln.engine.sequence import Event, FinishEvent, Request, TokenEvent
@@ -153,10 +153,10 @@ class Backpressure:
     stopped reading: its transport's writes wait on flow control, so tokens pile up here). Past
     `max_backlog` unread tokens the request is paused: the scheduler sets it aside, pages kept, and
     everyone else's requests go on. Once the consumer has taken all but `max_backlog // 2` of them it
-    is resumed (`resume`, the engine's, wakes the engine). Paused for `stall_timeout_s` without a
-    resume, it is cancelled like any cancel (finish reason "cancelled"; the tokens committed so far
-    stay in a session's history) and the stream's `stalled` event is set, so its transport can end
-    the call it can no longer deliver on."""
+    is resumed (`resume`, the engine's, wakes the engine). Paused while the consumer takes nothing for
+    `stall_timeout_s` (a client reading however slowly is never cut off), it is cancelled like any
+    cancel (finish reason "cancelled"; the tokens committed so far stay in a session's history) and the
+    stream's `stalled` event is set, so its transport can end the call it can no longer deliver on."""
 
     resume: Callable[[Request], None]
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
@@ -183,12 +183,22 @@ class AsyncGenerationStream(BaseStream):
         self._backpressure: Backpressure | None = None
         self._backlog = 0  # token events not yet taken by the consumer
         self._stall_timer: asyncio.TimerHandle | None = None
+        self._readers_group: tuple[AsyncGenerationStream, ...] = (self,)  # see read_in_turn
         self.stalled = asyncio.Event()  # set when the stall timeout cancelled the generation
 
     def hold_back(self, backpressure: Backpressure) -> None:
         """Pause the generation while the consumer does not keep up (see Backpressure); call it before the
         request is submitted. Without it the stream buffers whatever the engine commits."""
         self._backpressure = backpressure
+
+    @staticmethod
+    def read_in_turn(streams: Sequence[AsyncGenerationStream]) -> None:
+        """Streams one consumer reads one after another (OpenAI's `n` choices): the later ones pause while
+        they wait their turn, and a token taken from any of them counts as the client's progress for all,
+        so only a client that stops reading the whole response stalls them."""
+        group = tuple(streams)
+        for stream in group:
+            stream._readers_group = group
 
     def emit(self, event: Event) -> None:
         """Hands the event to the consumer's loop. A loop that closed (its consumer gone for good) takes
@@ -211,17 +221,30 @@ class AsyncGenerationStream(BaseStream):
         held = self._backpressure
         if held is not None and request is not None and self._backlog > held.max_backlog and not request.paused.is_set():
             request.paused.set()  # the scheduler honours it at its next step
-            self._stall_timer = self._loop.call_later(held.stall_timeout_s, self._stall, request)
+            self._watch_stall(held, request)
 
     def _taken(self, event: Event) -> None:
         if isinstance(event, FinishEvent):
             return
         self._backlog -= 1
-        request = self._request
-        held = self._backpressure
-        if held is not None and request is not None and request.paused.is_set() and self._backlog <= held.max_backlog // 2:
+        for stream in self._readers_group:
+            stream._progressed()
+
+    def _progressed(self) -> None:
+        """The consumer took a token, from this stream or one read in turn with it: a paused generation
+        resumes once its backlog is down to half the bound; until then its stall clock starts again."""
+        request, held = self._request, self._backpressure
+        if held is None or request is None or not request.paused.is_set():
+            return
+        if self._backlog <= held.max_backlog // 2:
             self._stop_stall_timer()
             held.resume(request)
+        else:
+            self._watch_stall(held, request)
+
+    def _watch_stall(self, held: Backpressure, request: Request) -> None:
+        self._stop_stall_timer()
+        self._stall_timer = self._loop.call_later(held.stall_timeout_s, self._stall, request)
 
     def _stall(self, request: Request) -> None:
         self._stall_timer = None

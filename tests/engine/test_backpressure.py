@@ -140,3 +140,24 @@ def test_a_stream_unread_past_its_stall_timeout_is_cancelled_and_its_session_goe
         assert len(session.generate(max_tokens=5, ignore_eos=True).result().token_ids) == 5
 
     asyncio.run(run())
+
+
+def test_choices_read_in_turn_are_not_stalled_while_the_client_reads_an_earlier_one(tiny_llm):
+    """OpenAI's `n` choices stream one after another: the second pauses while the first is read, slowly,
+    for several stall timeouts; it is the response's progress that counts, so it resumes and finishes."""
+    llm = tiny_llm("llama")
+
+    async def run() -> None:
+        streams = [AsyncGenerationStream(llm.engine.cancel) for _ in range(2)]
+        for stream in streams:
+            stream.hold_back(Backpressure(llm.engine.resume, 0.3, max_backlog=4))
+        AsyncGenerationStream.read_in_turn(streams)
+        llm.start_choices(PROMPT, SamplingParams(max_tokens=60, ignore_eos=True), streams)
+        first, second = streams
+        await wait_for(lambda: llm.engine.stats.paused_now >= 1, "the unread second choice was paused")
+        async for _ in first:
+            await asyncio.sleep(0.05)  # a slow reader: 60 tokens take 10 stall timeouts
+        assert not second.stalled.is_set()
+        assert (await second.result()).finish_reason == "length" and llm.engine.stats.stall_cancels == 0
+
+    asyncio.run(run())
