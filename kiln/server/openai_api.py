@@ -45,7 +45,16 @@ from kiln.server.http_errors import ModelNotFoundError
 from kiln.server.http_models import ChatBody, CompletionBody, NamedToolChoice, OpenAIBody
 from kiln.server.service import RuntimeService
 from kiln.tokenizer import Tokenizer
-from kiln.tools import ArgumentsDelta, CallStart, ContentDelta, Tool, ToolCallParser, ToolChoice, grammar
+from kiln.tools import (
+    ArgumentsDelta,
+    CallStart,
+    ContentDelta,
+    Tool,
+    ToolCallParser,
+    ToolChoice,
+    check_names,
+    grammar,
+)
 
 MODEL_ALIAS = "kiln"  # also names the served model, for clients configured once for any Kiln server
 TopLogprobs = tuple[tuple[int, float], ...]
@@ -279,9 +288,10 @@ class OpenAIRoutes:
     def _chat_plan(self, body: ChatBody) -> _Plan:
         """Tools, tool_choice and response_format checked part by part (each error names its field),
         then the constraint the reply must match and the prompt with the callable tools rendered."""
-        tools = [Tool(spec.function.name, spec.function.description or "",
-                      None if spec.function.parameters is None else closed(spec.function.parameters))
-                 for spec in body.tools or ()]
+        tools = [Tool(spec.function.name, spec.function.description or "", None if spec.function.parameters is None
+                      else closed(spec.function.parameters, f"tools[{index}].function.parameters"))
+                 for index, spec in enumerate(body.tools or ())]
+        check_names(tools)
         for index, tool in enumerate(tools):
             _checked(Constraint.json_schema(tool.schema, f"tools[{index}].function.parameters"))
         choice = _tool_choice(body, tools)
