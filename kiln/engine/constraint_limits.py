@@ -15,7 +15,8 @@ What each limit counts:
 - `max_schema_depth`: nesting of a JSON schema's document (every object and array is a level);
 - `max_repeat_product`: the largest product of nested counted repetitions (`{m,n}` counts n, `{m,}` m);
 - `max_repeat_size`: a regex's atoms once every counted repetition is unrolled (alternatives summed).
-Regexes are a regex constraint, each `/.../` literal of a Lark grammar and each `pattern` of a schema.
+Regexes are a regex constraint, each `/.../` literal of a Lark grammar and each `pattern` of a schema
+(a Lark grammar's `%json` schemas included).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ LIMITS = ConstraintLimits()
 # A Lark definition starts a line: `name:`, `?name:`, `!name:`, `NAME.2:`, `name[attributes]:`.
 _LARK_DEFINITION = re.compile(r"^[ \t]*[?!]?[A-Za-z_][A-Za-z0-9_]*(?:\.-?\d+)?(?:\[[^\]\n]*\])?[ \t]*:", re.MULTILINE)
 _LARK_REF = re.compile(r'"\$ref"')
+_LARK_JSON = re.compile(r"%json\s*")
 _COUNT = re.compile(r"\{(\d*)(?:(,)(\d*))?\}")
 
 
@@ -57,6 +59,8 @@ def check_source(kind: str, source: str, param: str, limits: ConstraintLimits = 
         _at_most(param, "rules (definitions and $refs)", rules, limits.max_rules, "max_rules")
         for literal in lark_regexes(source):
             check_regex(literal, param, limits)
+        for schema in lark_schemas(source, param, limits):  # their nesting is llguidance's to refuse (past 128)
+            check_schema(schema, param, limits, check_depth=False)
     elif kind == "json_schema":
         check_schema(parse_schema(source, param, limits), param, limits)
 
@@ -73,12 +77,14 @@ def parse_schema(text: str, param: str, limits: ConstraintLimits = LIMITS) -> ob
         raise InvalidArgumentError(f"{param} is not valid JSON: {error}", param or None) from None
 
 
-def check_schema(schema: object, param: str, limits: ConstraintLimits = LIMITS) -> None:
+def check_schema(schema: object, param: str, limits: ConstraintLimits = LIMITS, check_depth: bool = True) -> None:
     """The limits of a JSON schema given as a parsed document: nesting depth (walked without recursion,
-    so any depth is measured safely), `$ref`s and each `pattern`'s repetitions."""
+    so any depth is measured safely; not for the schemas a grammar embeds, which Kiln's tool grammar
+    nests a few levels deeper than the tools' own), `$ref`s and each `pattern`'s repetitions."""
     refs = 0
     for depth, key, value in _walk(schema):
-        _at_most(param, "nesting depth", depth, limits.max_schema_depth, "max_schema_depth")
+        if check_depth:
+            _at_most(param, "nesting depth", depth, limits.max_schema_depth, "max_schema_depth")
         if key == "$ref":
             refs += 1
         elif key == "pattern" and isinstance(value, str):
@@ -202,6 +208,19 @@ def lark_regexes(grammar: str) -> Iterator[str]:
             i = end
         else:
             i += 1
+
+
+def lark_schemas(grammar: str, param: str, limits: ConstraintLimits = LIMITS) -> Iterator[object]:
+    """The JSON schemas a Lark grammar embeds with `%json {...}`, parsed (one too deep for the parser
+    is refused as over max_schema_depth; one that does not parse is left to the compiler to report)."""
+    decoder = json.JSONDecoder()
+    for match in _LARK_JSON.finditer(grammar):
+        try:
+            yield decoder.raw_decode(grammar, match.end())[0]
+        except RecursionError:
+            _refuse(param, "nesting depth", limits.max_schema_depth + 1, limits.max_schema_depth, "max_schema_depth")
+        except ValueError:
+            continue
 
 
 def _skip_quoted(text: str, start: int, quote: str) -> int:

@@ -89,6 +89,8 @@ def test_a_regex_of_a_million_repetitions_is_refused_before_compiling():
     refused("max_repeat_product", 1_000_000, Constraint.grammar, 'start: "q" /a{1000}{1000}/')
     refused("max_repeat_product", 1_000_000, Constraint.json_schema,
             {"type": "string", "pattern": "^a{1000}{1000}$"})
+    refused("max_repeat_product", 1_000_000, Constraint.grammar,
+            'start: "q" %json {"type": "string", "pattern": "^a{1000}{1000}$"}')
 
 
 # ---- each limit's boundary ----------------------------------------------------------------------------
