@@ -32,6 +32,8 @@ from kiln.errors import InvalidArgumentError
 
 @dataclass(frozen=True)
 class ConstraintLimits:
+    """The limits one process applies (LIMITS); what each counts is in the module docstring."""
+
     max_source_chars: int = 256 * 1024
     max_rules: int = 2_000
     max_schema_depth: int = 64
@@ -109,6 +111,7 @@ def _walk(document: object) -> Iterator[tuple[int, object, object]]:
 
 
 def check_regex(pattern: str, param: str, limits: ConstraintLimits = LIMITS) -> None:
+    """Refuses a regex whose counted repetitions are over max_repeat_product or max_repeat_size."""
     product, size = repetition(pattern)
     _at_most(param, "nested repetition count product", product, limits.max_repeat_product, "max_repeat_product")
     _at_most(param, "expanded regex size", size, limits.max_repeat_size, "max_repeat_size")
