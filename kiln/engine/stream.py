@@ -156,7 +156,8 @@ class Backpressure:
     is resumed (`resume`, the engine's, wakes the engine). Paused while the consumer takes nothing for
     `stall_timeout_s` (a client reading however slowly is never cut off), it is cancelled like any
     cancel (finish reason "cancelled"; the tokens committed so far stay in a session's history) and the
-    stream's `stalled` event is set, so its transport can end the call it can no longer deliver on."""
+    stream's `stalled` event is set, so its transport can end the call it can no longer deliver on.
+    Streams one consumer reads in turn are held back together (ReadOrder)."""
 
     resume: Callable[[Request], None]
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
@@ -169,43 +170,101 @@ class Backpressure:
             raise InvalidArgumentError(f"max_backlog must be at least 1, got {self.max_backlog}", "max_backlog")
 
 
+class ReadOrder:
+    """The streams one consumer reads one after another: one stream, or a response's choices streamed in
+    turn (OpenAI's `n`, several prompts). Backpressure acts on the group, judged by the stream being
+    read (the last one taken from): the others wait their turn and buffer, as any stream did, while the
+    client keeps up. Past the backlog bound on the stream being read, every generation of the group is
+    paused (the consumer reaches the others only after it); a token taken restarts the stall clock,
+    and resumes them all once that backlog is down to half the bound; with nothing taken for the stall
+    timeout, they are cancelled (`Request.stalled`) and every stream's `stalled` event is set."""
+
+    def __init__(self, streams: Sequence[AsyncGenerationStream]) -> None:
+        self.streams = tuple(streams)
+        self.reading = self.streams[0]
+        self.paused = False
+        self._clock: asyncio.TimerHandle | None = None
+
+    def arrived(self, stream: AsyncGenerationStream) -> None:
+        held = stream.backpressure
+        if held is None or self.paused or stream is not self.reading or stream.backlog <= held.max_backlog:
+            return
+        self.paused = True
+        for other in self.streams:
+            if other.request is not None and not other.finished:
+                other.request.paused.set()  # the scheduler honours it at its next step
+        self._restart_clock(stream, held)
+
+    def taken(self, stream: AsyncGenerationStream) -> None:
+        self.reading = stream
+        held = stream.backpressure
+        if not self.paused or held is None:
+            return
+        if stream.backlog > held.max_backlog // 2:
+            self._restart_clock(stream, held)
+            return
+        self.paused = False
+        self._stop_clock()
+        for other in self.streams:
+            if other.request is not None and other.request.paused.is_set():
+                held.resume(other.request)
+
+    def _restart_clock(self, stream: AsyncGenerationStream, held: Backpressure) -> None:
+        self._stop_clock()
+        self._clock = stream.loop.call_later(held.stall_timeout_s, self._stalled)
+
+    def _stop_clock(self) -> None:
+        if self._clock is not None:
+            self._clock.cancel()
+            self._clock = None
+
+    def _stalled(self) -> None:
+        self._clock = None
+        if not self.paused:
+            return
+        for stream in self.streams:
+            if stream.request is not None and stream.request.paused.is_set() and not stream.finished:
+                stream.request.stalled = True
+                stream.cancel()
+            stream.stalled.set()
+
+
 class AsyncGenerationStream(BaseStream):
     """The asyncio twin of GenerationStream: `async for token in stream`, or `batch()` for every token
     ready at once. Create it on the event loop that will consume it; the engine thread hands events
-    over with call_soon_threadsafe, and everything else (the backlog, pausing, the stall timer) happens
+    over with call_soon_threadsafe, and everything else (the backlog, pausing, the stall clock) happens
     on that loop, so no decision races with the consumer's."""
 
     def __init__(self, cancel: Callable[[Request], None]) -> None:
         super().__init__(cancel)
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self._events: deque[Event] = deque()
         self._arrived = asyncio.Event()
-        self._backpressure: Backpressure | None = None
-        self._backlog = 0  # token events not yet taken by the consumer
-        self._stall_timer: asyncio.TimerHandle | None = None
-        self._readers_group: tuple[AsyncGenerationStream, ...] = (self,)  # see read_in_turn
+        self.backpressure: Backpressure | None = None
+        self.backlog = 0  # token events not yet taken by the consumer
+        self.order = ReadOrder((self,))
         self.stalled = asyncio.Event()  # set when the stall timeout cancelled the generation
 
     def hold_back(self, backpressure: Backpressure) -> None:
         """Pause the generation while the consumer does not keep up (see Backpressure); call it before the
         request is submitted. Without it the stream buffers whatever the engine commits."""
-        self._backpressure = backpressure
+        self.backpressure = backpressure
 
     @staticmethod
     def read_in_turn(streams: Sequence[AsyncGenerationStream]) -> None:
-        """Streams one consumer reads one after another (OpenAI's `n` choices): the later ones pause while
-        they wait their turn, and a token taken from any of them counts as the client's progress for all,
-        so only a client that stops reading the whole response stalls them."""
-        group = tuple(streams)
-        for stream in group:
-            stream._readers_group = group
+        """Declares that one consumer reads these streams one after another (see ReadOrder)."""
+        if not streams:
+            return
+        order = ReadOrder(streams)
+        for stream in order.streams:
+            stream.order = order
 
     def emit(self, event: Event) -> None:
         """Hands the event to the consumer's loop. A loop that closed (its consumer gone for good) takes
         nothing, and the generation is cancelled: asking first whether it is closed would race with
         the closing, so the hand-over itself is tried."""
         try:
-            self._loop.call_soon_threadsafe(self._arrive, event)
+            self.loop.call_soon_threadsafe(self._arrive, event)
         except RuntimeError:  # "Event loop is closed"
             if not isinstance(event, FinishEvent):
                 self.cancel()
@@ -213,50 +272,14 @@ class AsyncGenerationStream(BaseStream):
     def _arrive(self, event: Event) -> None:
         self._events.append(event)
         self._arrived.set()
-        if isinstance(event, FinishEvent):
-            self._stop_stall_timer()
-            return
-        self._backlog += 1
-        request = self._request
-        held = self._backpressure
-        if held is not None and request is not None and self._backlog > held.max_backlog and not request.paused.is_set():
-            request.paused.set()  # the scheduler honours it at its next step
-            self._watch_stall(held, request)
+        if isinstance(event, TokenEvent):
+            self.backlog += 1
+            self.order.arrived(self)
 
     def _taken(self, event: Event) -> None:
-        if isinstance(event, FinishEvent):
-            return
-        self._backlog -= 1
-        for stream in self._readers_group:
-            stream._progressed()
-
-    def _progressed(self) -> None:
-        """The consumer took a token, from this stream or one read in turn with it: a paused generation
-        resumes once its backlog is down to half the bound; until then its stall clock starts again."""
-        request, held = self._request, self._backpressure
-        if held is None or request is None or not request.paused.is_set():
-            return
-        if self._backlog <= held.max_backlog // 2:
-            self._stop_stall_timer()
-            held.resume(request)
-        else:
-            self._watch_stall(held, request)
-
-    def _watch_stall(self, held: Backpressure, request: Request) -> None:
-        self._stop_stall_timer()
-        self._stall_timer = self._loop.call_later(held.stall_timeout_s, self._stall, request)
-
-    def _stall(self, request: Request) -> None:
-        self._stall_timer = None
-        if request.paused.is_set() and self._finish is None:
-            request.stalled = True
-            self.stalled.set()
-            self.cancel()
-
-    def _stop_stall_timer(self) -> None:
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
+        if isinstance(event, TokenEvent):
+            self.backlog -= 1
+            self.order.taken(self)
 
     async def _next_event(self) -> Event:
         while not self._events:

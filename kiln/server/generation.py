@@ -89,7 +89,8 @@ async def start_all(starts: Sequence[Callable[[], Awaitable[AsyncGenerationStrea
 
 async def unless_disconnected(request: Request, work: Awaitable[T], streams: Sequence[AsyncGenerationStream]) -> T:
     """Await `work` (a non-streaming reply) unless the client disconnects first: then the
-    generations are cancelled and CancelledError (499) is raised."""
+    generations are cancelled and CancelledError (499) is raised. `work` reads the streams in turn."""
+    AsyncGenerationStream.read_in_turn(streams)
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnect(request.receive))
     try:
@@ -144,6 +145,7 @@ class SseResponse(StreamingResponse):
 
     def __init__(self, events: AsyncIterator[object], streams: Sequence[AsyncGenerationStream]) -> None:
         self.streams = list(streams)
+        AsyncGenerationStream.read_in_turn(self.streams)  # the events of one stream after another
         self.outcome: str | None = None
         super().__init__(self._encode(events), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

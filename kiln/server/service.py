@@ -181,7 +181,6 @@ class RuntimeService:
         """`n` stateless generations of one prompt that compute it once (LLM.start_choices)."""
         self._admit()
         streams = [self._stream() for _ in range(n)]
-        AsyncGenerationStream.read_in_turn(streams)  # transports read the choices one after another
         params = self.sampling_params(request)
         return await submitted(streams, lambda: self.quotas.admitted(
             owner, streams, lambda: self.llm.start_choices(list(tokens), params, streams)))

@@ -16,6 +16,7 @@ from kiln.errors import InvalidArgumentError
 from tests.engine.test_scheduler import make_scheduler, request, step
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
+BOUND_S = 30.0
 
 
 def test_a_paused_request_steps_aside_keeping_its_pages_and_its_slot_goes_to_another():
@@ -142,22 +143,56 @@ def test_a_stream_unread_past_its_stall_timeout_is_cancelled_and_its_session_goe
     asyncio.run(run())
 
 
-def test_choices_read_in_turn_are_not_stalled_while_the_client_reads_an_earlier_one(tiny_llm):
-    """OpenAI's `n` choices stream one after another: the second pauses while the first is read, slowly,
-    for several stall timeouts; it is the response's progress that counts, so it resumes and finishes."""
+async def choices_read_in_turn(llm, stall_timeout_s: float, max_tokens: int = 60,  # noqa: ANN001
+                               max_backlog: int = 4) -> list[AsyncGenerationStream]:
+    """Two choices of one prompt whose streams one consumer reads one after another."""
+    streams = [AsyncGenerationStream(llm.engine.cancel) for _ in range(2)]
+    for stream in streams:
+        stream.hold_back(Backpressure(llm.engine.resume, stall_timeout_s, max_backlog=max_backlog))
+    AsyncGenerationStream.read_in_turn(streams)
+    llm.start_choices(PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True), streams)
+    return streams
+
+
+def test_a_choice_waiting_its_turn_is_not_stalled_while_the_client_reads_an_earlier_one_slowly(tiny_llm):
+    """OpenAI's `n` choices stream one after another: while the client keeps reading the first (slowly,
+    for many stall timeouts), the second is judged by that progress: throttled to the reader's pace with
+    the first, never stall-cancelled."""
     llm = tiny_llm("llama")
 
     async def run() -> None:
-        streams = [AsyncGenerationStream(llm.engine.cancel) for _ in range(2)]
-        for stream in streams:
-            stream.hold_back(Backpressure(llm.engine.resume, 0.3, max_backlog=4))
-        AsyncGenerationStream.read_in_turn(streams)
-        llm.start_choices(PROMPT, SamplingParams(max_tokens=60, ignore_eos=True), streams)
-        first, second = streams
-        await wait_for(lambda: llm.engine.stats.paused_now >= 1, "the unread second choice was paused")
+        first, second = await choices_read_in_turn(llm, 0.3)
         async for _ in first:
             await asyncio.sleep(0.05)  # a slow reader: 60 tokens take 10 stall timeouts
         assert not second.stalled.is_set()
-        assert (await second.result()).finish_reason == "length" and llm.engine.stats.stall_cancels == 0
+        assert (await second.result()).finish_reason == "length"
+        assert llm.engine.stats.pauses > 0 and llm.engine.stats.stall_cancels == 0
+
+    asyncio.run(run())
+
+
+def test_a_choice_waiting_its_turn_generates_on_while_a_client_that_keeps_up_reads_an_earlier_one(tiny_llm):
+    """The others buffer while they wait, as streams always did: choices still generate together."""
+    llm = tiny_llm("llama")
+
+    async def run() -> None:
+        first, second = await choices_read_in_turn(llm, 30.0, max_tokens=200, max_backlog=64)
+        assert len((await first.result()).token_ids) == len((await second.result()).token_ids) == 200
+        assert llm.engine.stats.pauses == 0
+
+    asyncio.run(run())
+
+
+def test_choices_read_in_turn_pause_and_stall_together_when_the_client_stops_reading(tiny_llm):
+    llm = tiny_llm("llama")
+
+    async def run() -> None:
+        first, second = await choices_read_in_turn(llm, 0.3, max_tokens=200)
+        await wait_for(lambda: llm.engine.stats.paused_now == 2, "both choices were paused")
+        await asyncio.wait_for(second.stalled.wait(), BOUND_S)
+        assert first.stalled.is_set()
+        for stream in (first, second):
+            assert (await stream.result()).finish_reason == "cancelled"
+        assert llm.engine.stats.stall_cancels == 2
 
     asyncio.run(run())
