@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: run chat test test-ts peer-test fault soak bench lint setup model proto redis clean
+.PHONY: run chat test test-ts peer-test fault fuzz soak bench lint setup model proto redis clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -34,6 +34,9 @@ test: model redis
 
 fault: model redis  ## fault injection against real `kiln serve`s, KILN_FAULT_TRIALS kill trials per test (make test runs 20 in all)
 	KILN_FAULT_TRIALS=$${KILN_FAULT_TRIALS:-40} $(BIN)/python -m pytest -q -s tests/fault --ignore=tests/fault/test_soak.py
+
+fuzz: model  ## schemathesis + hypothesis against a real `kiln serve`, KILN_FUZZ_EXAMPLES (default 500) examples per strategy (make test: a few)
+	KILN_FUZZ_EXAMPLES=$${KILN_FUZZ_EXAMPLES:-500} $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/fuzz
 
 soak: model  ## 16 agents for 30 minutes against a restarted `kiln serve` -> bench/results/soak.{json,png} (make test: 3 minutes)
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,bench]'

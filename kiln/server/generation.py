@@ -74,17 +74,18 @@ async def collect(stream: AsyncGenerationStream, tokenizer: Tokenizer, stop: Seq
     return Output("".join(delta.text for delta in parts), result)
 
 
-async def start_all(starts: Sequence[Callable[[], Awaitable[AsyncGenerationStream]]]) -> list[AsyncGenerationStream]:
-    """Start several generations; if one is refused, the ones already started are cancelled."""
-    streams: list[AsyncGenerationStream] = []
+async def start_all(starts: Sequence[Callable[[], Awaitable[list[AsyncGenerationStream]]]]) -> list[list[AsyncGenerationStream]]:
+    """Start several groups of generations (a prompt's choices); if one is refused, every generation
+    already started is cancelled, so none runs on for a request that failed."""
+    groups: list[list[AsyncGenerationStream]] = []
     try:
         for start in starts:
-            streams.append(await start())
+            groups.append(await start())
     except BaseException:
-        for stream in streams:
+        for stream in (stream for group in groups for stream in group):
             stream.cancel()
         raise
-    return streams
+    return groups
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T], streams: Sequence[AsyncGenerationStream]) -> T:

@@ -1,5 +1,6 @@
 """The HTTP server: the OpenAI-compatible API (kiln/server/openai_api.py), REST sessions
-(kiln/server/rest.py), `GET /healthz` and `GET /metrics`, all over one RuntimeService.
+(kiln/server/rest.py), `GET /healthz`, `GET /metrics` and the OpenAPI document `GET /openapi.json`
+(kiln/server/openapi.py; authenticated like the API), all over one RuntimeService.
 
 Layers, outermost first: request metrics and the access log (every request, errors included, counted
 by route template and Kiln status name; kiln/server/access_log.py), the Host and Origin checks and CORS
@@ -11,6 +12,7 @@ a path with a stray trailing slash is 404, never a Location built from the reque
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Sequence
 
 from fastapi import APIRouter, FastAPI, HTTPException
@@ -25,6 +27,7 @@ from kiln.server.http_errors import install_error_handlers, too_large_response
 from kiln.server.http_guard import HttpGuard
 from kiln.server.metrics import CONTENT_TYPE, Metrics
 from kiln.server.openai_api import OpenAIRoutes
+from kiln.server.openapi import openapi_document
 from kiln.server.rest import SessionRoutes
 from kiln.server.service import MAX_REQUEST_BYTES, RuntimeService
 
@@ -34,7 +37,9 @@ UNMATCHED_ROUTE = "http/unmatched"  # one label for every unknown path keeps the
 def build_http_app(service: RuntimeService, keys: ApiKeys, metrics: Metrics,
                    max_request_bytes: int = MAX_REQUEST_BYTES, guard: HttpGuard | None = None,
                    access: AccessLog | None = None) -> FastAPI:
-    app = FastAPI(title="Kiln", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
+    app = FastAPI(title="Kiln", docs_url=None, redoc_url=None, openapi_url="/openapi.json", redirect_slashes=False,
+                  generate_unique_id_function=lambda route: route.name)  # operation ids: the handlers' names
+    app.openapi = functools.partial(openapi_document, app)  # type: ignore[method-assign]
     install_error_handlers(app)
     routers = [OpenAIRoutes(service).router(), SessionRoutes(service).router(), _operations(service, metrics)]
     for router in routers:

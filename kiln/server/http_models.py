@@ -5,7 +5,8 @@ unsupported OpenAI feature is a clear 400 naming the field, never silently ignor
 real clients send are accepted when Kiln honours them; fields that only describe the caller (`user`,
 `store`, `metadata`, `service_tier`) are accepted and ignored; penalties are accepted only at their
 neutral value 0. Range checks of sampling values live in RuntimeService/SamplingParams, the one place
-every transport shares.
+every transport shares; the OpenAPI document (kiln/server/openapi.py) states the same ranges as
+`json_schema_extra`, documentation only, so a generated client knows them.
 """
 
 from __future__ import annotations
@@ -19,18 +20,28 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
 
+from kiln.chat import OPENAI_ROLES
 from kiln.engine.constraints import Constraint
-from kiln.engine.sampler import MAX_TOP_LOGPROBS, SEED_RANGE
+from kiln.engine.sampler import INT32_MAX, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SEED_RANGE
+from kiln.kv.policy import POLICIES
 from kiln.server.service import GenerateRequest
+from kiln.sessions import MAX_TTL_S, MIN_TTL_S
 
 MAX_PROMPTS = 32  # prompts in one /v1/completions request
 MAX_CHOICES = 16  # `n`: choices per prompt
 
-TokenIds = list[int]
+TokenIds = Annotated[list[int], WithJsonSchema({"type": "array", "items": {"type": "integer", "minimum": 0}})]
+NUMBER_IDS = {"propertyNames": {"pattern": "^[0-9]+$"}}  # an object keyed by token ids
+STOP_STRINGS = {"maxItems": MAX_STOP_STRINGS, "minLength": 1, "maxLength": MAX_STOP_LENGTH,
+                "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH}}
+MESSAGE = {"type": "object", "required": ["role"], "properties": {
+    "role": {"enum": list(OPENAI_ROLES)}, "content": {"type": ["string", "array", "null"]}, "name": {"type": "string"},
+    "tool_calls": {"type": "array"}, "tool_call_id": {"type": "string"}}}
 
 
 class Body(BaseModel):
@@ -42,12 +53,12 @@ class GenerateBody(Body):
     choice of delivery (one JSON body, or server-sent events)."""
 
     stream: bool = False
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # Kiln extension (as in vLLM)
+    max_tokens: int | None = Field(None, ge=1, json_schema_extra={"maximum": INT32_MAX})
+    temperature: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 100})
+    top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+    top_k: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": INT32_MAX})  # Kiln extension (as in vLLM)
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, json_schema_extra=STOP_STRINGS)
     stop_token_ids: TokenIds = []  # Kiln extension (as in vLLM)
     ignore_eos: bool = False  # Kiln extension (as in vLLM)
 
@@ -137,9 +148,10 @@ class OpenAIBody(GenerateBody):
     model: str | None = None  # None = the served model; another name is NOT_FOUND
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> value in [-100, 100], added to its logit
+    presence_penalty: float = Field(0.0, json_schema_extra={"const": 0})
+    frequency_penalty: float = Field(0.0, json_schema_extra={"const": 0})
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={  # token id -> value added to its logit
+        **NUMBER_IDS, "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})
     response_format: ResponseFormat | None = None
     # describe the caller, not the generation: accepted and ignored
     user: str | None = None
@@ -247,8 +259,8 @@ class NamedToolChoice(Body):
 
 
 class ChatBody(OpenAIBody):
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[dict[str, Any]] = Field(min_length=1, json_schema_extra={"items": MESSAGE})
+    max_completion_tokens: int | None = Field(None, ge=1, json_schema_extra={"maximum": INT32_MAX})
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolSpec] | None = None
@@ -289,10 +301,10 @@ class ChatBody(OpenAIBody):
 
 class CreateSessionBody(Body):
     token_ids: TokenIds = []
-    ttl_s: float | None = None
-    kv_policy: str | None = None
-    kv_sink_tokens: int | None = None
-    kv_window_tokens: int | None = None
+    ttl_s: float | None = Field(None, json_schema_extra={"minimum": MIN_TTL_S, "maximum": MAX_TTL_S})
+    kv_policy: str | None = Field(None, json_schema_extra={"enum": [*POLICIES, None]})
+    kv_sink_tokens: int | None = Field(None, json_schema_extra={"minimum": 0})
+    kv_window_tokens: int | None = Field(None, json_schema_extra={"minimum": 0})
 
 
 class AppendBody(Body):
@@ -300,7 +312,7 @@ class AppendBody(Body):
 
 
 class ForkBody(Body):
-    at: int | None = None
+    at: int | None = Field(None, json_schema_extra={"minimum": 0})
 
 
 class SessionGenerateBody(GenerateBody):

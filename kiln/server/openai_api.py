@@ -43,7 +43,7 @@ from kiln.server.generation import Delta, Output, SseResponse, collect, deltas, 
 from kiln.server.http_auth import caller
 from kiln.server.http_errors import ModelNotFoundError
 from kiln.server.http_models import ChatBody, CompletionBody, NamedToolChoice, OpenAIBody
-from kiln.server.service import RuntimeService
+from kiln.server.service import RuntimeService, naming
 from kiln.tokenizer import Tokenizer
 from kiln.tools import (
     ArgumentsDelta,
@@ -281,7 +281,7 @@ class OpenAIRoutes:
 
     def _completion_plan(self, body: CompletionBody) -> _Plan:
         prompts = body.prompts()
-        ids = [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]  # text gets the model's BOS
+        ids = [self.service.tokenize(p, True, "prompt") if isinstance(p, str) else p for p in prompts]  # with BOS
         echoes = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if body.echo else None
         return _Plan(ids, _checked(body.format_constraint()), echoes=echoes)
 
@@ -299,7 +299,8 @@ class OpenAIRoutes:
         rules = grammar(tools, choice, _schema_of(plain)) if tools else None
         constraint = plain if rules is None else Constraint.grammar(rules, "tools")
         messages = from_openai_messages(body.messages)
-        prompt = tokens_for_chat(messages, self.tokenizer, tools if rules is not None else ())
+        with naming("messages"):  # text the tokenizer refuses (a lone surrogate) came from the messages
+            prompt = tokens_for_chat(messages, self.tokenizer, tools if rules is not None else ())
         return _Plan([prompt], constraint, calls=rules is not None)
 
     async def _reply(self, request: Request, body: OpenAIBody, shape: _Shape, plan_of: Callable[[], _Plan]) -> Response:

@@ -5,8 +5,9 @@ transports only translate formats and errors."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -185,8 +186,10 @@ class RuntimeService:
         return await submitted(streams, lambda: self.quotas.admitted(
             owner, streams, lambda: self.llm.start_choices(list(tokens), params, streams)))
 
-    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    def tokenize(self, text: str, add_special_tokens: bool = False, param: str = "text") -> list[int]:
+        """Text that cannot be tokenized (a lone surrogate) is refused naming `param`, its request field."""
+        with naming(param):
+            return self.llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.llm.tokenizer.decode(self.llm.engine.validate_tokens(list(token_ids)), skip_special_tokens)
@@ -212,6 +215,17 @@ class RuntimeService:
 
     def stop_admitting(self) -> None:
         self.accepting = False
+
+
+@contextlib.contextmanager
+def naming(param: str) -> Iterator[None]:
+    """An InvalidArgumentError raised inside that names no request field is about `param` (the
+    tokenizer and the chat template know text, not which field it came from)."""
+    try:
+        yield
+    except InvalidArgumentError as error:
+        error.param = error.param or param
+        raise
 
 
 async def submitted(streams: Sequence[AsyncGenerationStream], submit: Callable[[], T]) -> T:
