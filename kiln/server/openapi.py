@@ -24,6 +24,8 @@ from kiln.results import SessionInfo, SnapshotInfo, Usage
 REF = "#/components/schemas/{model}"
 OPEN_OPERATIONS = frozenset({"healthz", "healthz_head", "prometheus"})  # kiln/server/http_auth.py OPEN_PATHS
 SSE = "text/event-stream"
+SSE_EVENT = {"type": "object", "required": ["data"],  # each event: a JSON chunk as text, the last `[DONE]`
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 
 
 class Response(BaseModel):
@@ -217,7 +219,7 @@ def _describe(method: str, operation: dict[str, Any]) -> None:
     if name in RESPONSES:
         content = {"application/json": {"schema": {"$ref": REF.format(model=_schema_name(RESPONSES[name]))}}}
         if name in STREAMED:
-            content[SSE] = {"schema": {"type": "string"}}
+            content[SSE] = {"schema": SSE_EVENT}
         responses[success]["content"] = content
     if name in LINKS:
         parameters, targets = LINKS[name]

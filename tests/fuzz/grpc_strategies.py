@@ -6,7 +6,7 @@ extremes; NaN and infinities for floating point), strings are arbitrary unicode 
 cannot hold lone surrogates; odd code points, NULs and combining marks they can), repeated fields are
 short, empty or huge, and an `optional` field is as often absent as present. Fields that name a
 session or hold token ids also draw real ids (`known`), so a request gets past the first check into
-the code behind it.
+the code behind it; the constraint fields draw from tests/fuzz/constraint_strategies.py too.
 """
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
 from hypothesis import strategies as st
 
+from tests.fuzz.constraint_strategies import grammars, json_schemas, regexes
+
+CONSTRAINTS = {"json_schema": json_schemas(), "regex": regexes(), "grammar": grammars()}  # GenerateRequest's
 HUGE_REPEATED = 100_000  # elements of a huge repeated field (under the 4 MiB request limit)
 FieldType = FieldDescriptor
 
@@ -68,6 +71,8 @@ def _scalar(field: FieldDescriptor, known: Known) -> st.SearchStrategy:
     if kind == FieldType.TYPE_STRING:
         if field.name == "session_id" and known.session_ids:
             return st.one_of(st.sampled_from(list(known.session_ids)), texts())
+        if field.name in CONSTRAINTS:
+            return st.one_of(CONSTRAINTS[field.name], texts())
         return texts()
     if kind == FieldType.TYPE_BYTES:
         return st.binary(max_size=256)
