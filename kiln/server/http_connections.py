@@ -15,7 +15,8 @@ hands uvicorn, adds the missing clocks. One connection moves through three waits
   408 (unless its response already began) and the connection is closed. The app sees the client leave.
 
 Once a request is complete nothing is timed here: a generation may take minutes (a stream whose client
-stops reading is bounded elsewhere, by the stall timeout). A connection accepted while
+stops reading is bounded elsewhere, by the stall timeout, which it reaches because each connection's
+send buffer is capped at SEND_BUFFER_BYTES). A connection accepted while
 `max_connections` are open is answered 503 at once and closed: its socket is never parked.
 """
 
@@ -27,6 +28,7 @@ import functools
 import json
 import math
 import resource
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +42,10 @@ from kiln.server.http_errors import envelope
 
 MAX_HEADER_BYTES = 16 * 1024  # one request's header block (h11's own default, made explicit)
 FD_RESERVE = 512  # descriptors beyond the HTTP connections: gRPC connections, model files, snapshots, logs
+# One connection's kernel send buffer. Left to autotuning, loopback grows it to megabytes: a client that
+# never reads a stream would park thousands of tokens there, so its generation never paused and ran to
+# max_tokens. 64 KiB (the kernel doubles it) still fills no faster than a LAN drains it.
+SEND_BUFFER_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,10 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         if len(self.connections) > self.limits.max_connections:
             self._refuse()
             return

@@ -138,6 +138,23 @@ def test_a_grpc_stream_never_read_is_paused_then_cancelled_and_its_session_goes_
         assert session_tokens(server, session.id) == start + generated + turn.token_ids
 
 
+def test_an_sse_stream_never_read_over_a_real_socket_is_paused_then_cancelled(server):
+    """Over TCP, not a simulated write: the server's per-connection send buffer is capped, so an unread
+    stream (here ~1.3 MB: twenty top logprobs a token) fills it and waits, rather than being parked whole
+    in loopback's autotuned buffers and generated to its end."""
+    stalls = sample(server, "kiln_generation_stall_cancels_total")
+    with Client(server.grpc_address) as client:
+        sock = sse_request(server, {"max_tokens": LONG, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                                    "logprobs": True, "top_logprobs": 20}, path="/v1/chat/completions")
+        try:
+            eventually(lambda: sample(server, "kiln_generations_paused") == 1, "the unread generation was paused")
+            bystander_turn(client)
+            eventually(lambda: sample(server, "kiln_generation_stall_cancels_total") == stalls + 1, "it was cancelled")
+            eventually(lambda: pages_beyond_sessions(client) == 0, "its pages went back")
+        finally:
+            sock.close()
+
+
 def test_an_sse_response_whose_writes_wait_for_good_is_paused_then_cancelled_and_dropped(tiny_llm):
     """The HTTP side in process: an ASGI `send` that stops returning after the first events is a client
     whose TCP window stays shut (a real socket cannot show it here: loopback lets the kernel buffer
@@ -286,14 +303,14 @@ def answers(client: Client) -> bool:
     return True
 
 
-def sse_request(server: ServerHandle, body: dict, receive_buffer: int = 4096) -> socket.socket:
+def sse_request(server: ServerHandle, body: dict, path: str = "/v1/completions", receive_buffer: int = 4096) -> socket.socket:
     """A completion request on a raw socket with a small receive buffer, whose reply nobody reads."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
     sock.connect(("127.0.0.1", int(server.http_url.rsplit(":", 1)[1])))
-    payload = json.dumps({"model": "kiln", "prompt": PROMPT, "temperature": 0.0, "ignore_eos": True, **body}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    payload = json.dumps({"model": "kiln", "temperature": 0.0, "ignore_eos": True, **body}).encode()
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(payload), payload))
     return sock
 
 
