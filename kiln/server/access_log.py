@@ -1,14 +1,14 @@
 """Access logs: one line per request, on both transports, to the `kiln.access` logger (stderr under
 `kiln serve`).
 
-A line says who asked what and how it went, never what was said: request id, transport, route (the
-request-metrics label: `http/<route template>` or `grpc/<Method>`), method, peer, caller, status and
-Kiln code, request and response bytes, duration, and for generations their number and the prompt and
-completion tokens. `caller` is the first 12 hex digits of the caller's identity, itself the SHA-256 of
-its API key (kiln/server/auth.py), so it matches the start of the key's digest and reveals nothing of
-the key; `-` when keys are off. Token ids, text, prompts and keys appear only with `--log-content`,
-which adds the request and response content (each cut at MAX_CONTENT_BYTES); even then keys never do
-(they travel in headers and metadata, which are not logged).
+A line says who asked what and how it went, never what was said: time (the request's end), request id,
+transport, route (the request-metrics label: `http/<route template>` or `grpc/<Method>`), method, peer,
+caller, status and Kiln code, request and response bytes, duration, and for generations their number
+and the prompt and completion tokens. `caller` is the first 12 hex digits of the caller's identity,
+itself the SHA-256 of its API key (kiln/server/auth.py), so it matches the start of the key's digest
+and reveals nothing of the key; `-` when keys are off. Token ids, text and prompts appear only with
+`--log-content`, which adds the request and response content (each cut at MAX_CONTENT_BYTES); keys
+never do (they travel in headers and metadata, which are not logged).
 
 Request ids: a client's `x-request-id` header (gRPC: metadata) is kept when it is a short token
 (REQUEST_ID), else the server makes one; it is returned in the `x-request-id` response header (gRPC:
