@@ -2,7 +2,8 @@
 
 A plain chunk samples one token from its row; a chunk carrying a speculative draft verifies it against
 its rows (kiln/engine/speculative.py) and yields the draft's accepted prefix plus one token. Grammar
-masks and logit biases apply to every row first (kiln/engine/constraints.py). A failure fails only the
+masks and logit biases apply to every row first (kiln/engine/constraints.py), then the request's
+repetition, presence and frequency penalties (kiln/engine/penalties.py). A failure fails only the
 request it belongs to: the result for that chunk is the exception.
 """
 
@@ -51,6 +52,8 @@ class StepSampler:
     def _verify(self, chunk: ScheduledChunk, rows: torch.Tensor) -> list[Sampled]:
         request, params = chunk.request, chunk.request.params
         rows = constrain(rows, [None] * len(rows), [params.logit_bias] * len(rows))
+        if params.penalised:
+            rows = request.penalty_counts(rows.shape[-1], rows.device).apply_draft(rows, chunk.draft, params)
         if request.matcher is not None:
             rows = mask_draft_rows(request.matcher, rows, chunk.draft)
         tokens = verify(rows, chunk.draft, params, self.sampler, request.request_id)
@@ -75,11 +78,24 @@ class StepSampler:
         return sampled
 
     def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> list[Sampled]:
-        logits = constrain(logits, [r.matcher for r in requests], [r.params.logit_bias for r in requests])
+        logits = penalise_rows(constrain(logits, [r.matcher for r in requests], [r.params.logit_bias for r in requests]), requests)
         token_ids, logprobs = self.sampler.sample(logits, [r.params for r in requests], [r.request_id for r in requests])
         tops = top_logprobs(logits, [r.params.top_logprobs for r in requests])
         return [(token, logprobs[row] if logprobs and request.params.logprobs else None, tops[row])
                 for row, (token, request) in enumerate(zip(token_ids, requests, strict=True))]
+
+
+def penalise_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """[B, vocab] logits with each penalised request's row penalised: new logits when any row is (never
+    modified in place, as constrain's), else `logits` itself."""
+    rows = [row for row, request in enumerate(requests) if request.params.penalised]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for row in rows:
+        request = requests[row]
+        logits[row] = request.penalty_counts(logits.shape[-1], logits.device).apply(logits[row], request.params)
+    return logits
 
 
 def mask_draft_rows(matcher: Matcher, rows: torch.Tensor, draft: list[int]) -> torch.Tensor:
