@@ -222,7 +222,37 @@ export interface GenerateRequest {
     | string
     | undefined;
   /** A Lark grammar (llguidance's dialect: a `start` rule; `%json {...}` embeds a JSON schema). */
-  grammar?: string | undefined;
+  grammar?:
+    | string
+    | undefined;
+  /**
+   * Penalties on the generation's own tokens, applied in this order after a constraint's mask and
+   * before temperature and the cuts (greedy takes the argmax of the penalised logits).
+   * HF/vLLM's repetition penalty in (0, 100]: every token of the history (earlier turns included) and
+   * of the reply has its logit divided by it when positive, multiplied by it otherwise. Unset: 1 (off).
+   */
+  repetitionPenalty?:
+    | number
+    | undefined;
+  /**
+   * OpenAI's presence penalty in [-2, 2]: subtracted once from the logit of every token the reply holds.
+   * Unset: 0.
+   */
+  presencePenalty?:
+    | number
+    | undefined;
+  /**
+   * OpenAI's frequency penalty in [-2, 2]: subtracted from a token's logit per time the reply holds it.
+   * Unset: 0.
+   */
+  frequencyPenalty?:
+    | number
+    | undefined;
+  /**
+   * Min-p in [0, 1]: after temperature, keep only tokens at least min_p times as likely as the
+   * likeliest. Unset or 0: no cut.
+   */
+  minP?: number | undefined;
 }
 
 /** One message of a Generate stream: any number of token chunks, then exactly one finish. */
@@ -1139,6 +1169,10 @@ function createBaseGenerateRequest(): GenerateRequest {
     jsonSchema: undefined,
     regex: undefined,
     grammar: undefined,
+    repetitionPenalty: undefined,
+    presencePenalty: undefined,
+    frequencyPenalty: undefined,
+    minP: undefined,
   };
 }
 
@@ -1186,6 +1220,18 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     }
     if (message.grammar !== undefined) {
       writer.uint32(106).string(message.grammar);
+    }
+    if (message.repetitionPenalty !== undefined) {
+      writer.uint32(113).double(message.repetitionPenalty);
+    }
+    if (message.presencePenalty !== undefined) {
+      writer.uint32(121).double(message.presencePenalty);
+    }
+    if (message.frequencyPenalty !== undefined) {
+      writer.uint32(129).double(message.frequencyPenalty);
+    }
+    if (message.minP !== undefined) {
+      writer.uint32(137).double(message.minP);
     }
     return writer;
   },
@@ -1317,6 +1363,38 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
             message.grammar = reader.string();
             continue;
           }
+          case 14: {
+            if (tag !== 113) {
+              break;
+            }
+
+            message.repetitionPenalty = reader.double();
+            continue;
+          }
+          case 15: {
+            if (tag !== 121) {
+              break;
+            }
+
+            message.presencePenalty = reader.double();
+            continue;
+          }
+          case 16: {
+            if (tag !== 129) {
+              break;
+            }
+
+            message.frequencyPenalty = reader.double();
+            continue;
+          }
+          case 17: {
+            if (tag !== 137) {
+              break;
+            }
+
+            message.minP = reader.double();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1347,6 +1425,10 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     message.jsonSchema = object.jsonSchema ?? undefined;
     message.regex = object.regex ?? undefined;
     message.grammar = object.grammar ?? undefined;
+    message.repetitionPenalty = object.repetitionPenalty ?? undefined;
+    message.presencePenalty = object.presencePenalty ?? undefined;
+    message.frequencyPenalty = object.frequencyPenalty ?? undefined;
+    message.minP = object.minP ?? undefined;
     return message;
   },
 };
