@@ -22,6 +22,9 @@ from kiln.snapshots.commands import add_parser as add_snapshot_parser
 from kiln.snapshots.store import default_directory
 from kiln.text import TextDeltas
 
+# the sampling flags (_sampling_args) but --max-tokens, named as SamplingParams' fields
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty")
 EXIT_ENGINE_FAILED = 70  # sysexits' EX_SOFTWARE: an internal error; a supervisor restarts the server
 
 
@@ -71,6 +74,15 @@ def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="keep only tokens at least this fraction as likely as the likeliest, in [0, 1] (0 = no cut)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="HF/vLLM's, in (0, 100]: tokens already in the history or the reply have their logit divided "
+                        "by it when positive, multiplied otherwise (1 = off)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="OpenAI's, in [-2, 2]: subtracted from the logit of every token the reply already holds")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="OpenAI's, in [-2, 2]: subtracted from a token's logit per time the reply already holds it")
 
 
 def _llm(args: argparse.Namespace) -> LLM:
@@ -104,21 +116,25 @@ def _llm(args: argparse.Namespace) -> LLM:
     return LLM(args.model, **options)
 
 
-def _params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
-    )
+def _sampling_options(args: argparse.Namespace) -> dict[str, object]:
+    """The sampling flags but --max-tokens (each command settles that its way) by SamplingParams' names,
+    checked: an out-of-range value is refused naming its field, before any model loads."""
+    options = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+    SamplingParams(**options)
+    return options
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    params = SamplingParams(max_tokens=args.max_tokens, **_sampling_options(args))
     with _llm(args) as llm:
         session = llm.create_session(llm.tokenizer.encode(args.prompt))
-        for piece in session.generate_text(_params(args)):
+        for piece in session.generate_text(params):
             print(piece, end="", flush=True)
         print()
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
+    _sampling_options(args)  # an out-of-range flag is refused before a model loads or a server is called
     if args.server:
         from kiln.client import Client
 
@@ -148,8 +164,7 @@ class _RemoteTokenizer:
 def _chat_loop(session: object, tokenizer: object, args: argparse.Namespace) -> None:
     """Turns on one session, in process or remote: only each new turn is appended (and prefilled)."""
     interactive = sys.stdin.isatty()
-    options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-               "top_k": args.top_k, "seed": args.seed}
+    options = {"max_tokens": args.max_tokens, **_sampling_options(args)}
     last_token: int | None = None
     while True:
         try:

@@ -203,7 +203,7 @@ export interface GenerateRequest {
   ignoreEos: boolean;
   /**
    * Report each generated token's log-probability (under the model, before temperature and cuts;
-   * with a constraint below, under the constrained distribution).
+   * with a constraint or the penalties below, under the constrained and penalised distribution).
    */
   logprobs: boolean;
   /**
