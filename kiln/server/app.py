@@ -62,6 +62,7 @@ class ServeOptions:
     access_log: AccessLog = AccessLog()  # format and content of the request log (kiln/server/access_log.py)
     stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # a generation paused by a client that stopped reading: cancelled after
     grpc_limits: GrpcLimits = DEFAULT_GRPC_LIMITS  # calls, streams, keepalive, connection idle/age (kiln/server/grpc_limits.py)
+    chat_format: str = "auto"  # how /v1/chat/completions writes a conversation (kiln/chat.py)
 
     def __post_init__(self) -> None:
         self.http_guard()  # a bad --allowed-host or --cors-origin fails at start-up
@@ -136,7 +137,8 @@ async def serve_async(llm: LLM, options: ServeOptions) -> None:
     grpc_address = f"{options.host}:{options.grpc_port}"
     grpc_server = build_grpc_server(service, keys, metrics, grpc_address, options.max_request_bytes,
                                     tls=options.tls, access=options.access_log, limits=options.grpc_limits)
-    http_app = build_http_app(service, keys, metrics, options.max_request_bytes, options.http_guard(), options.access_log)
+    http_app = build_http_app(service, keys, metrics, options.max_request_bytes, options.http_guard(), options.access_log,
+                              options.chat_format)
     http = _Uvicorn(uvicorn.Config(http_app, host=options.host, port=options.http_port,
                                    log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
                                    **options.http_limits.uvicorn_kwargs(),

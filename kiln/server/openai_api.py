@@ -28,18 +28,18 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from kiln.chat import from_openai_messages, tokens_for_chat
-from kiln.engine.constraints import Constraint, closed
+from kiln.chat import TEMPLATE, ChatFormat, chat_format, from_openai_messages, tokens_for_chat
+from kiln.engine.constraints import Constraint, as_generated
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError
-from kiln.results import Usage
-from kiln.server.generation import Delta, Output, SseResponse, collect, deltas, start_all, unless_disconnected
+from kiln.results import GenerationResult, Usage
+from kiln.server.generation import Delta, SseResponse, deltas, start_all, unless_disconnected
 from kiln.server.http_auth import caller
 from kiln.server.http_errors import ModelNotFoundError
 from kiln.server.http_models import ChatBody, CompletionBody, NamedToolChoice, OpenAIBody
@@ -70,6 +70,7 @@ class _ChoiceText:
     chat: bool
     parser: ToolCallParser | None = None  # chat with callable tools
     prefix: str = ""  # echo: the prompt, before the first piece
+    lead: str = ""  # what the chat format puts before every reply (a transcript's space): not content
     call_ids: list[str] = field(default_factory=list)
 
     def push(self, text: str) -> list[dict]:
@@ -79,15 +80,23 @@ class _ChoiceText:
             return [self._text(text)] if text else []
         return [self._piece(delta) for delta in self.parser.push(text)]
 
-    def finish(self) -> list[dict]:
+    def finish(self, reason: str) -> list[dict]:
+        """The pieces held back until the generation ended for `reason`."""
         pieces = self.push("")
-        return pieces + ([self._piece(delta) for delta in self.parser.finish()] if self.parser else [])
+        return pieces + ([self._piece(delta) for delta in self.parser.finish(reason == "stop")] if self.parser else [])
+
+    def ended(self) -> bool:
+        """The reply is over before the generation is: the model repeated a tool call."""
+        return self.parser is not None and self.parser.repeated
 
     def finish_reason(self, reason: str) -> str:
         return "tool_calls" if reason == "stop" and self.call_ids else reason
 
     def _text(self, text: str) -> dict:
-        return {"content": text} if self.chat else {"text": text}
+        if not self.chat:
+            return {"text": text}
+        text, self.lead = text.removeprefix(self.lead), ""
+        return {"content": text}
 
     def _piece(self, delta: ContentDelta | CallStart | ArgumentsDelta) -> dict:
         if isinstance(delta, ContentDelta):
@@ -180,6 +189,16 @@ class _Plan:
     constraint: Constraint | None = None
     calls: bool = False  # the reply may be tool calls
     echoes: list[str] | None = None  # completions with echo: each prompt's text
+    form: ChatFormat = TEMPLATE  # chat: the format's stop strings, default reply limit and lead end every reply
+
+
+@dataclass(frozen=True)
+class _Finished:
+    """One choice of a whole reply: its pieces (as a stream would send them) and how it ended."""
+
+    pieces: list[dict]
+    finish_reason: str
+    result: GenerationResult
 
 
 @dataclass(frozen=True)
@@ -200,18 +219,17 @@ class _Reply:
 
     def text(self, index: int) -> _ChoiceText:
         echo = self.plan.echoes[index // self.n] if self.plan.echoes else ""
-        return _ChoiceText(self.shape.chat, ToolCallParser() if self.plan.calls else None, echo)
+        lead = " " if self.plan.form.transcript else ""
+        return _ChoiceText(self.shape.chat, ToolCallParser() if self.plan.calls else None, echo, lead)
 
-    def body(self, outputs: Sequence[Output]) -> dict:
+    def body(self, finished: Sequence[_Finished]) -> dict:
         choices = []
-        for index, output in enumerate(outputs):
-            text = self.text(index)
-            pieces = text.push(output.text) + text.finish()
-            result = output.result
+        for index, choice in enumerate(finished):
+            result = choice.result
             logprobs = self.logprobs_json(result.token_ids, result.logprobs or [], result.top_logprobs, 0)
-            choices.append(self.shape.choice(index, _merged(pieces, self.shape.chat),
-                                             text.finish_reason(result.finish_reason), logprobs))
-        usages = [output.result.usage for output in outputs]
+            choices.append(self.shape.choice(index, _merged(choice.pieces, self.shape.chat), choice.finish_reason,
+                                             logprobs))
+        usages = [choice.result.usage for choice in finished]
         return {"id": self.response_id, "object": self.shape.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage_json(usages)}
 
@@ -241,9 +259,10 @@ class _Reply:
 
 
 class OpenAIRoutes:
-    def __init__(self, service: RuntimeService) -> None:
+    def __init__(self, service: RuntimeService, chat_format_name: str = "auto") -> None:
         self.service = service
         self.created = int(time.time())
+        self.chat_format = chat_format(service.llm.tokenizer, chat_format_name)  # kiln/chat.py
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -289,7 +308,7 @@ class OpenAIRoutes:
         """Tools, tool_choice and response_format checked part by part (each error names its field),
         then the constraint the reply must match and the prompt with the callable tools rendered."""
         tools = [Tool(spec.function.name, spec.function.description or "", None if spec.function.parameters is None
-                      else closed(spec.function.parameters, f"tools[{index}].function.parameters"))
+                      else as_generated(spec.function.parameters, f"tools[{index}].function.parameters"))
                  for index, spec in enumerate(body.tools or ())]
         check_names(tools)
         for index, tool in enumerate(tools):
@@ -300,8 +319,8 @@ class OpenAIRoutes:
         constraint = plain if rules is None else Constraint.grammar(rules, "tools")
         messages = from_openai_messages(body.messages)
         with naming("messages"):  # text the tokenizer refuses (a lone surrogate) came from the messages
-            prompt = tokens_for_chat(messages, self.tokenizer, tools if rules is not None else ())
-        return _Plan([prompt], constraint, calls=rules is not None)
+            prompt = tokens_for_chat(messages, self.tokenizer, tools if rules is not None else (), self.chat_format)
+        return _Plan([prompt], constraint, calls=rules is not None, form=self.chat_format)
 
     async def _reply(self, request: Request, body: OpenAIBody, shape: _Shape, plan_of: Callable[[], _Plan]) -> Response:
         """`plan_of()` checks the request, renders and tokenizes the prompts on a worker thread (megabytes
@@ -310,6 +329,9 @@ class OpenAIRoutes:
         self._check_model(body.model)
         plan = await run_in_threadpool(plan_of)
         generate = body.generate_request(plan.constraint)
+        stop = (*body.stop_strings, *plan.form.stop)  # a chat format's stop rule ends its replies
+        generate = replace(generate, stop=stop, max_tokens=plan.form.max_tokens if generate.max_tokens is None
+                           else generate.max_tokens)
         try:
             groups = await start_all([functools.partial(self.service.complete_choices, prompt, generate, body.n,
                                                         caller(request)) for prompt in plan.prompts])
@@ -319,15 +341,25 @@ class OpenAIRoutes:
         streams = [stream for group in groups for stream in group]
         reply = _Reply(shape, plan, self.tokenizer, shape.id_prefix + secrets.token_hex(12), int(time.time()),
                        body.model if body.model in self.service.aliases else self.service.model_name, streams, body.n,
-                       body.stop_strings, body.include_usage,
+                       stop, body.include_usage,
                        body.wants_logprobs)
         if body.stream:
             return SseResponse(self._chunks(reply), streams)
-        outputs = await unless_disconnected(request, self._outputs(reply), streams)
-        return JSONResponse(reply.body(outputs))
+        finished = await unless_disconnected(request, self._whole_choices(reply), streams)
+        return JSONResponse(reply.body(finished))
 
-    async def _outputs(self, reply: _Reply) -> list[Output]:
-        return [await collect(stream, self.tokenizer, reply.stop) for stream in reply.streams]
+    async def _whole_choices(self, reply: _Reply) -> list[_Finished]:
+        """Every choice in turn, built from the same pieces its stream would send."""
+        finished = []
+        for index, stream in enumerate(reply.streams):
+            text = reply.text(index)
+            pieces: list[dict] = []
+            async for delta in deltas(stream, self.tokenizer, reply.stop, text.ended):
+                pieces += text.push(delta.text)
+                if delta.result:
+                    pieces += text.finish(delta.result.finish_reason)
+                    finished.append(_Finished(pieces, text.finish_reason(delta.result.finish_reason), delta.result))
+        return finished
 
     async def _chunks(self, reply: _Reply) -> AsyncIterator[dict]:
         """The streamed chunks of every choice in turn (all generate concurrently; later ones buffer),
@@ -350,13 +382,13 @@ class OpenAIRoutes:
         text = reply.text(index)
         pending: list[Delta] = []
         offset = 0
-        async for delta in deltas(stream, self.tokenizer, reply.stop):
+        async for delta in deltas(stream, self.tokenizer, reply.stop, text.ended):
             if delta.token_id is not None:
                 pending.append(delta)
             pieces = text.push(delta.text)
             finish = None
             if delta.result:
-                pieces += text.finish()
+                pieces += text.finish(delta.result.finish_reason)
                 finish = text.finish_reason(delta.result.finish_reason)
                 usages.append(delta.result.usage)
             for number, piece in enumerate(pieces or ([{}] if finish else [])):
