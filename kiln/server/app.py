@@ -197,31 +197,44 @@ def reload_keys_soon(keys: ApiKeys, path: str) -> None:
 
 
 def try_it(options: ServeOptions, auth: bool) -> str:
-    """Three ways to talk to the server, printed once it is ready. With TLS, ca.pem stands for the CA that
-    signed --tls-cert (and client.pem / client-key.pem for a client certificate, with --tls-client-ca)."""
+    """Three ways to talk to the server, printed once it is ready, each one the embedded base model does
+    well: a completion (curl), a session whose turns reuse its cache (the Python SDK), chat and JSON of a
+    bounded schema (the `openai` package). The scripts run as printed from the repository. With TLS,
+    ca.pem stands for the CA that signed --tls-cert (and client.pem / client-key.pem for a client
+    certificate, with --tls-client-ca)."""
     http = http_url(options)
-    key = "$KILN_API_KEY" if auth else "none"
+    key = 'os.environ["KILN_API_KEY"]' if auth else '"none"'
+    imports = "import os\n" if auth else ""
     header = ' -H "Authorization: Bearer $KILN_API_KEY"' if auth else ""
     sdk_key = ', api_key=os.environ["KILN_API_KEY"]' if auth else ""
     curl_tls, sdk_tls, openai_setup, openai_tls = _try_it_tls(options.tls)
     return f"""
-Try it:
+Try it (from the repository; a base model such as the embedded one continues text, and chat reaches it as a
+Q&A transcript, see --chat-format):
   curl -s{curl_tls} {http}/v1/completions -H 'Content-Type: application/json'{header} \\
        -d '{{"prompt": "The capital of France is", "max_tokens": 16}}'
 
-  python - <<'PY'
-import os
-from kiln.client import Client
+  .venv/bin/python - <<'PY'
+{imports}from kiln.client import Client
 with Client("{options.host}:{options.grpc_port}"{sdk_key}{sdk_tls}, tokenizer="server") as client:
     session = client.create_session()
-    session.append_text("The capital of France is")
-    print("".join(session.generate_text(max_tokens=16)))
+    session.append_text("Questions and short answers.\\n")
+    for question in ["What is the capital of France?", "And the capital of Italy?"]:
+        session.append_text(f"Q: {{question}}\\nA:")  # each turn prefills only its new tokens
+        answer = "".join(session.generate_text(max_tokens=16, stop=["\\n"]))
+        info = session.info()
+        print(f"{{question}}{{answer}}  [prefilled {{info.last_prefill_tokens}}, reused {{info.reused_tokens}}]")
 PY
 
-  python - <<'PY'
-import openai
-{openai_setup}client = openai.OpenAI(base_url="{http}/v1", api_key="{key}"{openai_tls})
-reply = client.chat.completions.create(model="kiln", messages=[{{"role": "user", "content": "Hello!"}}])
+  .venv/bin/python - <<'PY'
+{imports}import openai
+{openai_setup}client = openai.OpenAI(base_url="{http}/v1", api_key={key}{openai_tls})
+ask = [{{"role": "user", "content": "What is the capital of France?"}}]
+print(client.chat.completions.create(model="kiln", messages=ask).choices[0].message.content)
+city = {{"type": "object", "required": ["city", "country"], "properties": {{
+    "city": {{"type": "string", "maxLength": 20}}, "country": {{"type": "string", "maxLength": 20}}}}}}
+reply = client.chat.completions.create(model="kiln", messages=ask, response_format={{
+    "type": "json_schema", "json_schema": {{"name": "city", "schema": city}}}})
 print(reply.choices[0].message.content)
 PY
 """
