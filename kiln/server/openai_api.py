@@ -4,7 +4,8 @@ Every request is stateless (`RuntimeService.complete_choices`): it shares cached
 earlier request of the same prefix, so a chat client that resends the conversation each turn recomputes
 only from the first page that differs. `usage.prompt_tokens_details.cached_tokens` says how many prompt
 tokens came from that cache. Unset sampling options take the server's defaults (greedy decoding,
-RuntimeService.DEFAULT_MAX_TOKENS), not OpenAI's. `model` may name the served model or one of its
+RuntimeService.DEFAULT_MAX_TOKENS, or the chat format's), not OpenAI's. Chat is written in the server's
+chat format (kiln/chat.py, `--chat-format`): a base model's transcript adds its stop rule to every reply. `model` may name the served model or one of its
 aliases, be "kiln", or be left out; any other name is 404 `model_not_found`.
 
 Beyond plain text:
@@ -16,8 +17,10 @@ Beyond plain text:
 - `response_format` (`json_object`, `json_schema`) and tool calls are enforced by grammar-constrained
   decoding (kiln/engine/constraints.py); tools, tool_choice and parallel_tool_calls follow the rules
   of kiln/tools.py, and a reply that is a call comes back as `tool_calls` with finish_reason
-  `tool_calls` (streamed as tool-call deltas). A reply cut by max_tokens ends with finish_reason
-  `length` and whatever it had: for a call, arguments that are not yet complete JSON.
+  `tool_calls` (streamed as tool-call deltas). A call identical to an earlier one of the same reply
+  ends the reply before it (the generation is cancelled there; finish_reason `tool_calls`). A reply
+  cut by max_tokens ends with finish_reason `length` and whatever it had, never call markup as
+  content: the calls written so far, the last one's arguments possibly not yet complete JSON.
 """
 
 from __future__ import annotations
@@ -280,6 +283,13 @@ class OpenAIRoutes:
         return await self._reply(request, body, COMPLETION, lambda: self._completion_plan(body))
 
     async def chat_completions(self, body: ChatBody, request: Request) -> Response:
+        """An OpenAI chat completion. The conversation is written in the server's chat format (`--chat-format`):
+        the model's chat template, or for a base model a User:/Assistant: transcript whose replies stop where
+        the model opens the next User: turn (default max_tokens 128). A reply is complete when finish_reason is
+        `stop` or `tool_calls`. With `length` (max_tokens cut it) the content is a prefix of a valid reply (of
+        the response_format's JSON too) and `tool_calls` holds the calls written so far, the last one's
+        arguments possibly incomplete JSON; call markup never appears in content. A call identical to an
+        earlier call of the same reply ends the reply before it (`tool_calls`)."""
         return await self._reply(request, body, CHAT, lambda: self._chat_plan(body))
 
     async def models(self) -> dict:
