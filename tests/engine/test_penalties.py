@@ -33,6 +33,12 @@ def counted(tokens: list[int], generated: list[int]) -> Penalties:
     return penalties
 
 
+def penalised(penalties: Penalties, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    out = logits.clone()
+    penalties.apply_(out, params)
+    return out
+
+
 def openai_reference(logits: torch.Tensor, generated: list[int], presence: float, frequency: float) -> torch.Tensor:
     """OpenAI's rule, token by token: mu[j] - c[j] * alpha_frequency - float(c[j] > 0) * alpha_presence."""
     out = logits.clone()
@@ -47,7 +53,7 @@ def test_repetition_penalty_matches_transformers() -> None:
     history = [5, 9, 9, 200, 31, 5, 77]
     for penalty in (0.5, 1.0, 1.3, 7.0):
         expected = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([history]), logits[None].clone())[0]
-        got = counted(history, history[4:]).apply(logits, SamplingParams(repetition_penalty=penalty))
+        got = penalised(counted(history, history[4:]), logits, SamplingParams(repetition_penalty=penalty))
         assert torch.equal(got, expected)
 
 
@@ -55,7 +61,7 @@ def test_presence_and_frequency_follow_openai_over_the_reply_only() -> None:
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(1))
     prompt, reply = [3, 4, 4, 8], [4, 8, 8, 8, 100]
     params = SamplingParams(presence_penalty=0.75, frequency_penalty=-0.5)
-    got = counted(prompt + reply, reply).apply(logits, params)
+    got = penalised(counted(prompt + reply, reply), logits, params)
     assert torch.allclose(got, openai_reference(logits, reply, 0.75, -0.5), atol=1e-6)
     assert got[3] == logits[3]  # in the prompt only: untouched
 
@@ -71,11 +77,12 @@ def test_min_p_keeps_what_transformers_keeps() -> None:
 def test_draft_rows_count_the_draft_tokens_before_them() -> None:
     """Row i of a draft is what one-token-at-a-time decoding would penalise after draft[:i]."""
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(3))
-    history, reply, draft = [1, 2, 3], [3, 7], [7, 7, 9]
+    history, reply, draft = [1, 2, 3], [3, 7], [11, 7, 9, 11, 7]  # 11 and 9 new, 11 first: not in sorted order
     params = SamplingParams(repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=0.25)
-    rows = counted(history + reply, reply).apply_draft(logits.expand(4, -1), draft, params)
-    for i in range(4):
-        alone = counted(history + reply + draft[:i], reply + draft[:i]).apply(logits, params)
+    rows = logits.repeat(len(draft) + 1, 1)
+    counted(history + reply, reply).apply_draft_(rows, draft, params)
+    for i in range(len(draft) + 1):
+        alone = penalised(counted(history + reply + draft[:i], reply + draft[:i]), logits, params)
         assert torch.equal(rows[i], alone)
 
 
