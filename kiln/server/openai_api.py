@@ -39,6 +39,7 @@ from starlette.concurrency import run_in_threadpool
 
 from kiln.chat import TEMPLATE, ChatFormat, chat_format, from_openai_messages, tokens_for_chat
 from kiln.engine.constraints import Constraint, as_generated
+from kiln.engine.sampler import MAX_STOP_STRINGS
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError
 from kiln.results import GenerationResult, Usage
@@ -327,6 +328,10 @@ class OpenAIRoutes:
         plain = _checked(body.format_constraint())
         rules = grammar(tools, choice, _schema_of(plain)) if tools else None
         constraint = plain if rules is None else Constraint.grammar(rules, "tools")
+        room = MAX_STOP_STRINGS - len(self.chat_format.stop)
+        if len(body.stop_strings) > room:
+            raise InvalidArgumentError(f"at most {room} stop strings: the {self.chat_format.name} chat format adds its "
+                                       f"own {len(self.chat_format.stop)}", "stop")
         messages = from_openai_messages(body.messages)
         with naming("messages"):  # text the tokenizer refuses (a lone surrogate) came from the messages
             prompt = tokens_for_chat(messages, self.tokenizer, tools if rules is not None else (), self.chat_format)

@@ -227,6 +227,7 @@ def test_harmless_fields_are_accepted_and_ignored(oai):
      "tools[1].function.parameters", "does not compile"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"stop": [str(i) for i in range(15)]}, "stop", "transcript chat format adds its own 2"),
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools.0.function.name", "pattern"),
     ({"n": 17}, "n", "16"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "20"),
