@@ -12,8 +12,8 @@ grammar over replies (`grammar`), so what the model writes always parses:
 - `none`: no grammar from the tools (the reply is plain text, or the response_format's);
 - `required`: one call (or several, with parallel_tool_calls) and nothing else;
 - a named function: exactly one call to it;
-- `auto`: either one or more calls, or plain text that does not begin with `<tool_call>` (with a
-  json response_format, that JSON instead of free text). A reply is a call exactly when it begins
+- `auto`: either one or more calls, or plain text that does not begin with `<tool_call>`, even after
+  whitespace (with a json response_format, that JSON instead of free text). A reply is a call exactly when it begins
   with `<tool_call>`, so a reply never mixes text and calls.
 
 Each call's `arguments` must match its function's JSON schema. `ToolCallParser` turns the generated text
@@ -102,8 +102,8 @@ def grammar(tools: Sequence[Tool], choice: ToolChoice, plain_json: Mapping | Non
         return "\n".join(["start: calls", *rules])
     if plain_json is not None:
         plain = f"plain: %json {json.dumps({**plain_json, 'x-guidance': _LAYOUT})}"
-    else:  # any text that does not begin like a call
-        plain = f'plain: TEXT\nTEXT: /(?s:.+)/ & ~/{re.escape(CALL_OPEN.strip())}(?s:.*)/'
+    else:  # any text that does not begin like a call, even after whitespace (a transcript's reply opens with a space)
+        plain = f'plain: TEXT\nTEXT: /(?s:.+)/ & ~/\\s*{re.escape(CALL_OPEN.strip())}(?s:.*)/'
     return "\n".join(["start: plain | calls", plain, *rules])
 
 

@@ -1,5 +1,6 @@
 """`kiln chat` over piped input on a tiny model directory: replies stream, and each turn reports what
-it prefilled and what it reused from the session's cache."""
+it prefilled and what it reused from the session's cache; a model without a chat template is noted as
+a base model."""
 
 import os
 import re
@@ -26,3 +27,4 @@ def test_chat_reports_prefill_and_reuse_per_turn(tmp_path):
     assert first_reused == 0 and first_prefill > 0 and second_prefill > 0
     assert second_reused == first_prefill + generated - 1  # the whole first turn, but its last generated token
     assert run.stdout.count("model> ") == 2
+    assert "is a base model (no chat template)" in run.stderr  # so it chats in a transcript (kiln/chat.py)

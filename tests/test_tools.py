@@ -1,8 +1,19 @@
-"""ToolCallParser: generated text back into OpenAI tool calls, piece by piece, as streaming sends them."""
+"""Tool calls as text: ToolCallParser turns generated text back into OpenAI tool calls, piece by piece, as
+streaming sends them; the `auto` grammar keeps plain text from opening a call."""
 
 import pytest
 
-from kiln.tools import ArgumentsDelta, CallStart, ContentDelta, ToolCallParser, call_text
+from kiln.engine.constraints import Constraint, compiler_for
+from kiln.tools import (
+    ArgumentsDelta,
+    CallStart,
+    ContentDelta,
+    Tool,
+    ToolCallParser,
+    ToolChoice,
+    call_text,
+    grammar,
+)
 
 PARIS, ROME = call_text("get_weather", '{"city": "Paris"}'), call_text("get_weather", '{"city": "Rome"}')
 
@@ -48,3 +59,17 @@ def test_a_complete_reply_too_short_to_tell_is_content_and_plain_text_streams():
     assert parsed("<tool")[0] == [ContentDelta("<tool")]
     deltas, _ = parsed("Sunny, 21 C.", piece=4)
     assert "".join(d.text for d in deltas) == "Sunny, 21 C." and all(isinstance(d, ContentDelta) for d in deltas)
+
+
+def test_under_auto_plain_text_cannot_open_a_call_even_after_whitespace(tiny_llm):
+    """A transcript's reply opens with a space: " <tool_call>" would be neither a call nor text to show."""
+    llm = tiny_llm("llama")
+    compiler = compiler_for("tiny-llama", llm.tokenizer, llm.engine.model_config.vocab_size)
+    rules = grammar([Tool("ping")], ToolChoice("auto"))
+
+    def accepts(text: str) -> bool:
+        matcher = compiler.matcher(Constraint.grammar(rules), frozenset(llm.tokenizer.eos_token_ids))
+        return all(matcher.accept(token) for token in llm.tokenizer.encode(text, add_special_tokens=False))
+
+    assert accepts(" Sunny. <tool_call> is how I would call it") and accepts("<tool_call>\n{")
+    assert accepts(" \n<tool_call") and not accepts(" \n<tool_call>")
