@@ -204,7 +204,8 @@ def _chat_loop(host: object, tokenizer: object, form: ChatFormat, args: argparse
     """Turns on one session, in process (`host` an LLM) or remote (a Client): the session opens with BOS
     and the format's opening; then only each new turn is appended (and prefilled)."""
     interactive = sys.stdin.isatty()
-    options = {"max_tokens": args.max_tokens or form.max_tokens or DEFAULT_CHAT_MAX_TOKENS,
+    default = form.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+    options = {"max_tokens": default if args.max_tokens is None else args.max_tokens,
                **_sampling_options(args), "stop": form.stop}
     session = host.create_session(tokenizer.encode(form.opening(), add_special_tokens=True))
     last_token: int | None = None
