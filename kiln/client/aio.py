@@ -62,7 +62,8 @@ class AsyncClient:
         return AsyncSession(self, session_id)
 
     async def list_sessions(self, *, timeout_s: float | None = None) -> list[SessionInfo]:
-        """This API key's live sessions, least recently used first."""
+        """This API key's sessions: those in memory, least recently used first, then (on a server that
+        persists sessions) those saved but not in memory, `resident` False, brought back by their next use."""
         reply = await self._call(self._stub.ListSessions, pb.ListSessionsRequest(), timeout_s)
         return [wire.session_info(s) for s in reply.sessions]
 

@@ -69,7 +69,8 @@ class Client:
         return Session(self, session_id)
 
     def list_sessions(self, *, timeout_s: float | None = None) -> list[SessionInfo]:
-        """This API key's live sessions, least recently used first."""
+        """This API key's sessions: those in memory, least recently used first, then (on a server that
+        persists sessions) those saved but not in memory, `resident` False, brought back by their next use."""
         return [wire.session_info(s) for s in self._call(self._stub.ListSessions, pb.ListSessionsRequest(), timeout_s).sessions]
 
     def restore_session(self, snapshot_id: str, *, timeout_s: float | None = None) -> Session:

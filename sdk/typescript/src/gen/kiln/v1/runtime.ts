@@ -118,6 +118,12 @@ export interface SessionInfo {
   unsavedChanges: boolean;
   lastSavedAt?: number | undefined;
   saveFailures: number;
+  /**
+   * False for a session ListSessions found in the snapshot store, not in memory (evicted, or saved
+   * before a restart): none of its K/V is resident, and its next use brings it back. Unset from a
+   * server that predates the field (every session it lists is in memory).
+   */
+  resident?: boolean | undefined;
 }
 
 /** Token accounting of one Generate. prompt_tokens = reused_tokens + prefilled_tokens. */
@@ -445,6 +451,7 @@ function createBaseSessionInfo(): SessionInfo {
     unsavedChanges: false,
     lastSavedAt: undefined,
     saveFailures: 0,
+    resident: undefined,
   };
 }
 
@@ -515,6 +522,9 @@ export const SessionInfo: MessageFns<SessionInfo> = {
     }
     if (message.saveFailures !== 0) {
       writer.uint32(240).uint32(message.saveFailures);
+    }
+    if (message.resident !== undefined) {
+      writer.uint32(248).bool(message.resident);
     }
     return writer;
   },
@@ -708,6 +718,14 @@ export const SessionInfo: MessageFns<SessionInfo> = {
             message.saveFailures = reader.uint32();
             continue;
           }
+          case 31: {
+            if (tag !== 248) {
+              break;
+            }
+
+            message.resident = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -747,6 +765,7 @@ export const SessionInfo: MessageFns<SessionInfo> = {
     message.unsavedChanges = object.unsavedChanges ?? false;
     message.lastSavedAt = object.lastSavedAt ?? undefined;
     message.saveFailures = object.saveFailures ?? 0;
+    message.resident = object.resident ?? undefined;
     return message;
   },
 };
@@ -3199,7 +3218,10 @@ export const RuntimeService = {
     responseSerialize: (value: ForkSessionResponse): Buffer => Buffer.from(ForkSessionResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): ForkSessionResponse => ForkSessionResponse.decode(value),
   },
-  /** Lists the caller's own live sessions. */
+  /**
+   * Lists the caller's own sessions: those in memory (least recently used first), then those only the
+   * snapshot store holds (resident = false).
+   */
   listSessions: {
     path: "/kiln.v1.Runtime/ListSessions" as const,
     requestStream: false as const,
@@ -3322,7 +3344,10 @@ export interface RuntimeServer extends UntypedServiceImplementation {
    * KV pages (copy-on-write), so forking costs no compute.
    */
   forkSession: handleUnaryCall<ForkSessionRequest, ForkSessionResponse>;
-  /** Lists the caller's own live sessions. */
+  /**
+   * Lists the caller's own sessions: those in memory (least recently used first), then those only the
+   * snapshot store holds (resident = false).
+   */
   listSessions: handleUnaryCall<ListSessionsRequest, ListSessionsResponse>;
   /** Text to token ids with the served model's tokenizer (an opt-in convenience for clients). */
   tokenize: handleUnaryCall<TokenizeRequest, TokenizeResponse>;
@@ -3448,7 +3473,10 @@ export interface RuntimeClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: ForkSessionResponse) => void,
   ): ClientUnaryCall;
-  /** Lists the caller's own live sessions. */
+  /**
+   * Lists the caller's own sessions: those in memory (least recently used first), then those only the
+   * snapshot store holds (resident = false).
+   */
   listSessions(
     request: ListSessionsRequest,
     callback: (error: ServiceError | null, response: ListSessionsResponse) => void,
