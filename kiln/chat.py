@@ -72,21 +72,6 @@ class ChatFormat:
     def transcript(self) -> bool:
         return self.name == "transcript"
 
-    def opening(self) -> str:
-        """What a session holds after BOS before its first turn (`kiln chat`)."""
-        return _transcript_opening("") if self.transcript else ""
-
-    def next_turn(self, content: str, tokenizer: Tokenizer, last_token: int | None, stop_string: str | None) -> str:
-        """The text that appends a user turn and opens the model's reply, after the history so far:
-        `last_token` and `stop_string` say how the previous reply ended (None before the first turn)."""
-        if not self.transcript:
-            closer = "" if last_token is None else _turn_closer(tokenizer, last_token)
-            return closer + _turn_text("user", content, tokenizer) + _reply_prefix(tokenizer)
-        if stop_string in TRANSCRIPT_STOP:  # the reply already wrote the next turn's "User:"
-            return f" {content}\n{TRANSCRIPT_REPLY}"
-        closer = "" if last_token is None else "\n\n"
-        return closer + _transcript_turn("user", content) + TRANSCRIPT_REPLY
-
 
 TEMPLATE = ChatFormat("template")
 TRANSCRIPT = ChatFormat("transcript", TRANSCRIPT_STOP, TRANSCRIPT_MAX_TOKENS)
@@ -119,31 +104,18 @@ def _reply_prefix(tokenizer: Tokenizer) -> str:
     return f"{GEMMA_START}model\n" if _uses_gemma_turns(tokenizer) else "Assistant:"
 
 
-def _turn_closer(tokenizer: Tokenizer, last_token: int) -> str:
-    """Text that must follow a finished reply before the next turn: Gemma replies end with
-    <end_of_turn> (then a newline follows); a reply cut short needs the marker too."""
-    if not _uses_gemma_turns(tokenizer):
-        return "\n"
-    return "\n" if last_token == tokenizer.token_to_id(GEMMA_END) else f"{GEMMA_END}\n"
-
-
 def _transcript_turn(role: str, content: str) -> str:
     """A turn of a transcript; a blank line ends each exchange, as the model ends its reply."""
     return f"{TRANSCRIPT_ROLES.get(role, role.capitalize())}: {content}\n" + ("\n" if role == "assistant" else "")
-
-
-def _transcript_opening(system: str) -> str:
-    return f"{system or TRANSCRIPT_PREAMBLE}\n\n" + "".join(_transcript_turn(m["role"], m["content"])
-                                                          for m in TRANSCRIPT_EXAMPLES)
 
 
 def _transcript(messages: Sequence[dict[str, str]]) -> str:
     """A whole conversation as a transcript, ending where the model's reply begins. The leading system
     messages replace the preamble; a later one is a "System:" line."""
     leading = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
-    system = "\n\n".join(m["content"] for m in messages[:leading])
-    return (_transcript_opening(system) + "".join(_transcript_turn(m["role"], m["content"]) for m in messages[leading:])
-            + TRANSCRIPT_REPLY)
+    system = "\n\n".join(m["content"] for m in messages[:leading]) or TRANSCRIPT_PREAMBLE
+    turns = [*TRANSCRIPT_EXAMPLES, *messages[leading:]]
+    return f"{system}\n\n" + "".join(_transcript_turn(m["role"], m["content"]) for m in turns) + TRANSCRIPT_REPLY
 
 
 def tokens_for_chat(messages: Iterable[Message], tokenizer: Tokenizer, tools: Sequence[Tool] = (),

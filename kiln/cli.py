@@ -7,7 +7,7 @@ import socket
 import sys
 from dataclasses import fields
 
-from kiln.chat import CHAT_FORMATS, TRANSCRIPT_MAX_TOKENS, ChatFormat, chat_format
+from kiln.chat import CHAT_FORMATS, TRANSCRIPT_MAX_TOKENS, ChatFormat, chat_format, tokens_for_chat
 from kiln.config import QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig
 from kiln.engine.sampler import SamplingParams
 from kiln.engine.stream import DEFAULT_STALL_TIMEOUT_S
@@ -201,15 +201,15 @@ class _RemoteTokenizer:
 
 
 def _chat_loop(host: object, tokenizer: object, form: ChatFormat, args: argparse.Namespace) -> None:
-    """Turns on one session, in process (`host` an LLM) or remote (a Client): the session opens with BOS
-    and the format's opening; then only each new turn is appended (and prefilled)."""
+    """Turns on one session, in process (`host` an LLM) or remote (a Client). Each turn renders the whole
+    conversation as /v1/chat/completions does (kiln/chat.py) and appends only what the history lacks;
+    where the rendering departs from the history (a reply the format writes otherwise than it was
+    generated), the session forks at the last token they share, so the cache still serves all before it."""
     interactive = sys.stdin.isatty()
     default = form.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     options = {"max_tokens": default if args.max_tokens is None else args.max_tokens,
                **_sampling_options(args), "stop": form.stop}
-    session = host.create_session(tokenizer.encode(form.opening(), add_special_tokens=True))
-    last_token: int | None = None
-    stop_string: str | None = None
+    session, history, messages = host.create_session(), [], []
     while True:
         try:
             line = input("you> " if interactive else "")
@@ -217,20 +217,38 @@ def _chat_loop(host: object, tokenizer: object, form: ChatFormat, args: argparse
             break
         if not line.strip():
             continue
-        session.append_text(form.next_turn(line, tokenizer, last_token, stop_string))
+        messages.append({"role": "user", "content": line})
+        prompt = tokens_for_chat(messages, tokenizer, form=form)
+        shared = _shared_prefix(history, prompt)
+        if shared < len(history):
+            forked = session.fork(shared)
+            session.close()
+            session = forked
+        session.append(prompt[shared:])
         print("model> ", end="", flush=True)
         stream = session.generate(**options)
         deltas = TextDeltas(tokenizer.decode, form.stop)
-        lead = " " if form.transcript else ""  # the space after "Assistant:" belongs to the format
+        reply = ""
         for token in stream:
             piece = deltas.push([token])
-            print(piece.removeprefix(lead), end="", flush=True)
-            lead = lead if not piece else ""
-            last_token = token
+            print(_shown(reply, piece, form), end="", flush=True)
+            reply += piece
         result = stream.result()
-        stop_string = result.stop_string
-        print(deltas.finish(stop_string).removeprefix(lead), end="")
+        rest = deltas.finish(result.stop_string)
+        print(_shown(reply, rest, form), end="")
+        reply += rest
+        history = prompt + list(result.token_ids)
+        messages.append({"role": "assistant", "content": reply.removeprefix(" ") if form.transcript else reply})
         print("\n  " + _turn_stats(result, session.info().history_tokens), file=sys.stderr)
+
+
+def _shared_prefix(first: list[int], second: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b), min(len(first), len(second)))
+
+
+def _shown(reply: str, piece: str, form: ChatFormat) -> str:
+    """A piece of the reply as printed: a transcript's reply opens with the space after "Assistant:"."""
+    return piece.removeprefix(" ") if form.transcript and not reply else piece
 
 
 def _turn_stats(result: object, history: int) -> str:

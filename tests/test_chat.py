@@ -85,18 +85,6 @@ def test_a_model_without_a_chat_template_chats_in_a_transcript_that_stops_at_the
     assert TRANSCRIPT.stop == ("\n\nUser:", "\nUser:") and TRANSCRIPT.max_tokens == 128 and TEMPLATE.stop == ()
 
 
-def test_session_turns_append_to_what_the_reply_wrote():
-    """`kiln chat` appends each turn to the history: after a reply that stopped at "User:" the turn
-    continues that line, so the history reads exactly as the stateless rendering of the conversation."""
-    plain = byte_tokenizer()
-    first = TRANSCRIPT.opening() + TRANSCRIPT.next_turn("Hi", plain, None, None)
-    history = first + " Hello.\n\nUser:" + TRANSCRIPT.next_turn("Bye", plain, 7, "\n\nUser:")
-    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
-                    {"role": "user", "content": "Bye"}]
-    assert history == plain.decode(tokens_for_chat(conversation, plain))
-    assert TRANSCRIPT.next_turn("Bye", plain, 7, None).startswith("\n\nUser: Bye")  # the reply was cut
-
-
 def test_chat_format_template_forces_the_models_turns_and_a_bad_name_is_refused():
     gemma = byte_tokenizer()
     gemma.backend.add_special_tokens(["<start_of_turn>", "<end_of_turn>"])
