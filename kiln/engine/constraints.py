@@ -58,6 +58,12 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 # doubles and 2**63 - 1 itself rounds past the 64-bit range; 19 digits
 INT64_BOUND = 2**63 - 1024
 NUMBER_DECIMALS = 9  # decimals of a number without multipleOf
+_BOUNDED_NUMBER = {"type": "number", "minimum": -INT64_BOUND, "maximum": INT64_BOUND, "multipleOf": 10.0 ** -NUMBER_DECIMALS}
+# any JSON object (json_object), its numbers bounded as as_generated bounds a schema's
+ANY_OBJECT = {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}, "$defs": {"value": {"anyOf": [
+    {"type": "null"}, {"type": "boolean"}, _BOUNDED_NUMBER, {"type": "string"},
+    {"type": "array", "items": {"$ref": "#/$defs/value"}},
+    {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}}]}}}
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,7 @@ class Constraint:
             return llguidance.LLMatcher.grammar_from_regex(self.source)
         if self.kind == "grammar":
             return llguidance.LLMatcher.grammar_from_lark(self.source)
-        schema = self.source if self.kind == "json_schema" else '{"type": "object"}'
+        schema = self.source if self.kind == "json_schema" else json.dumps(ANY_OBJECT)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
         except ValueError as error:  # a schema that is not an object (true, false)
@@ -149,7 +155,7 @@ def as_generated(schema: object, param: str = "json_schema") -> object:
     - an integer or number without a bound on a side gets +-INT64_BOUND there (19 digits, what JSON
       parsers read as a 64-bit integer), and a number without `multipleOf` at most NUMBER_DECIMALS
       decimals: otherwise a model may write digits until max_tokens. Bounded numbers are written
-      without an exponent.
+      without an exponent. `json_object` (any object, ANY_OBJECT) bounds its numbers alike.
 
     A schema over the limits of kiln/engine/constraint_limits.py is refused first (InvalidArgumentError
     naming `param`): the rewrite recurses as deep as the schema."""
@@ -176,11 +182,11 @@ def _bounded(schema: dict) -> dict:
     if not kinds & {"integer", "number"}:
         return schema
     if "minimum" not in schema and "exclusiveMinimum" not in schema:
-        schema["minimum"] = -INT64_BOUND
+        schema["minimum"] = _BOUNDED_NUMBER["minimum"]
     if "maximum" not in schema and "exclusiveMaximum" not in schema:
-        schema["maximum"] = INT64_BOUND
+        schema["maximum"] = _BOUNDED_NUMBER["maximum"]
     if "number" in kinds and "multipleOf" not in schema:
-        schema["multipleOf"] = 10.0 ** -NUMBER_DECIMALS
+        schema["multipleOf"] = _BOUNDED_NUMBER["multipleOf"]
     return schema
 
 

@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from kiln.chat import TEMPLATE, ChatFormat, chat_format, from_openai_messages, tokens_for_chat
-from kiln.engine.constraints import Constraint, as_generated
+from kiln.engine.constraints import ANY_OBJECT, Constraint, as_generated
 from kiln.engine.sampler import MAX_STOP_STRINGS
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError
@@ -426,7 +426,7 @@ def _schema_of(constraint: Constraint | None) -> dict | None:
     """The JSON schema a non-call reply must match (response_format), for the tool grammar."""
     if constraint is None:
         return None
-    return {"type": "object"} if constraint.kind == "json_object" else json.loads(constraint.source)
+    return ANY_OBJECT if constraint.kind == "json_object" else json.loads(constraint.source)
 
 
 def _tool_choice(body: ChatBody, tools: list[Tool]) -> ToolChoice:

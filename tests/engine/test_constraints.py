@@ -214,7 +214,7 @@ def test_objects_that_list_properties_are_generated_closed(llm):
 def test_numbers_without_bounds_end_within_64_bits(llm):
     """A model pushed to write nothing but digits (every digit's logit +100) still ends an unbounded
     integer at 19 digits inside the 64-bit range, and a number at 19 digits before the point and 9 after,
-    so the JSON completes ("stop") instead of running to max_tokens."""
+    so the JSON completes ("stop") instead of running to max_tokens; json_object's numbers too."""
     digits = llm.tokenizer.encode("0123456789", add_special_tokens=False)
     schema = {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"},
                                                "k": {"type": "integer", "minimum": 1}},
@@ -227,3 +227,7 @@ def test_numbers_without_bounds_end_within_64_bits(llm):
     assert len(integral) <= 19 and len(decimals) <= 9
     assert as_generated({"type": ["integer", "null"], "maximum": 5}) == {"type": ["integer", "null"], "maximum": 5,
                                                                          "minimum": -(2**63 - 1024)}
+    compiler = compiler_for("tiny-llama", llm.tokenizer, llm.engine.model_config.vocab_size)
+    matcher = compiler.matcher(Constraint.json_object(), frozenset(llm.tokenizer.eos_token_ids))  # any object, too
+    assert all(matcher.accept(token) for token in llm.tokenizer.encode('{"a": [' + "9" * 18, add_special_tokens=False))
+    assert not matcher.accept(digits[9])
