@@ -78,7 +78,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-disk-dir", default=None, help="directory of the disk tier (default: no disk tier)")
     parser.add_argument("--kv-disk-budget-mb", type=int, default=None, help=f"disk tier budget, MiB (default {_ENGINE_DEFAULTS['kv_disk_budget_mb']})")
     parser.add_argument("--kv-stream-chunk-tokens", type=int, default=None, help=f"keys per chunk of streamed attention (default {_ENGINE_DEFAULTS['kv_stream_chunk_tokens']})")
-    parser.add_argument("--snapshot-dir", default=None, help="persist sessions and snapshots in this directory (kiln serve default: see --no-persist)")
+    parser.add_argument("--snapshot-dir", default=None, help="persist sessions and snapshots in this directory (default: none; kiln serve: see --no-persist)")
     parser.add_argument("--snapshot-store", default=None,
                         help="persist them in this store instead: redis://host:port/db (shared by several servers)")
     parser.add_argument("--durable-turns", action="store_true", default=None,
