@@ -93,8 +93,13 @@ class StepSampler:
 
 def writable(shaped: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """What penalties may change in place: `shaped` when constrain made new logits, else a copy of the
-    step's own `logits` (never changed: a failed batch is sampled again row by row)."""
-    return shaped if shaped is not logits else logits.clone()
+    step's own `logits` (never changed: a failed batch is sampled again row by row). On the CPU the copy
+    is one NumPy pass in this thread, as constraints._blocked's and for its reason (a busy machine)."""
+    if shaped is not logits:
+        return shaped
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().copy())
+    return logits.clone()
 
 
 def penalise_rows(logits: torch.Tensor, requests: list[Request]) -> None:
