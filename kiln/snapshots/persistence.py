@@ -283,7 +283,8 @@ class Persistence:
 
     def sessions(self, owner: str | None) -> list[StoredSession]:
         """The owner's sessions the store or the saver's queue holds (closed ones excepted), oldest created
-        first, whether or not they are in memory too. Reads manifests only."""
+        first, whether or not they are in memory too. Reads manifests only; while the store is unreachable,
+        only the queue's (a listing still answers during an outage, as the sessions in memory do)."""
         now, wall = time.monotonic(), time.time()
         with self._cond:
             queued = {job.session_id: job for job in self._jobs.values() if job.capture.owner == owner}
@@ -293,7 +294,12 @@ class Persistence:
                                job.capture.image.policy.key.decode(), now - job.changed_at, None)
             for sid, job in queued.items() if sid not in closed
         }
-        for manifest in self.store.manifests(owner_digest(owner)):
+        try:
+            manifests = self.store.manifests(owner_digest(owner))
+        except UnavailableError as error:
+            logger.warning("listing sessions without those only the snapshot store holds: %s", error)
+            manifests = []
+        for manifest in manifests:
             sid = manifest.session_id or ""
             if manifest.kind == KIND_SESSION and sid not in closed and sid not in found:
                 found[sid] = StoredSession(sid, len(manifest.token_ids), manifest.session_created_at, manifest.ttl_s,

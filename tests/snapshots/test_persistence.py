@@ -167,6 +167,22 @@ def test_sessions_not_in_memory_are_listed_as_not_resident(tiny_llm, tmp_path):
     assert [(s.session_id, s.resident) for s in after.sessions.list()] == [(fresh.id, True), (kept.id, False)]
 
 
+def test_listing_answers_while_the_store_is_unreachable(tiny_llm, tmp_path, monkeypatch):
+    """Sessions in memory, and an evicted one whose capture is still queued, are listed; those only the
+    store holds are left out until it answers again."""
+    llm = tiny_llm("llama", speculative=None, snapshot_dir=str(tmp_path), max_sessions=1)
+    evicted = llm.create_session(prompt(20))
+    llm.persistence.flush()
+
+    def unreachable(*args: object) -> None:
+        raise UnavailableError("the store is unreachable")
+
+    monkeypatch.setattr(llm.persistence.store, "manifests", unreachable)
+    monkeypatch.setattr(llm.persistence.store, "save", unreachable)  # the eviction's capture stays queued
+    live = llm.create_session(prompt(30, seed=1))  # evicts the first
+    assert [(s.session_id, s.resident) for s in llm.sessions.list()] == [(live.id, True), (evicted.id, False)]
+
+
 def test_evicted_sessions_are_restored_lazily(tiny_llm, tmp_path):
     llm = tiny_llm("llama", speculative=None, snapshot_dir=str(tmp_path), max_sessions=2)
     sessions = [llm.create_session(prompt(40, seed=i)) for i in range(3)]  # the third evicts the first
