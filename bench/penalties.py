@@ -28,6 +28,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.engine.penalties import Penalties
+from kiln.engine.step_sampler import StepSampler
 from kiln.engine.stream import GenerationStream
 
 PENALTIES = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_p": 0.05}
@@ -48,7 +49,7 @@ def history(llm: LLM, tokens: int) -> list[int]:
 def decode(loaded: object, args: argparse.Namespace) -> dict[str, object]:
     small = {"num_threads": common.THREADS, "kv_budget_bytes": KV_BUDGET}
     llms = {"speculation off": LLM(loaded=loaded, speculative=None, **small), "speculation on": LLM(loaded=loaded, **small)}
-    sampling_s = {engine: timed_sampling(llm) for engine, llm in llms.items()}
+    spent = timed_sampling()
     prompt = history(llms["speculation off"], args.history_tokens)
     variants = {(engine, penalised): SamplingParams(max_tokens=args.gen_tokens, ignore_eos=True,
                                                     **(PENALTIES if penalised else {}))
@@ -59,7 +60,7 @@ def decode(loaded: object, args: argparse.Namespace) -> dict[str, object]:
     replies: dict[tuple[str, bool], list[int]] = {}
     for repeat in range(args.repeats + 1):  # the first is a warm-up (and fills the prefix cache)
         for (engine, penalised), params in variants.items():
-            llm, spent = llms[engine], sampling_s[engine]
+            llm = llms[engine]
             spent[:] = [0.0, 0]
             before = llm.engine.stats.spec_accepted_tokens
             result = llm.start(prompt, params, GenerationStream(llm.engine.cancel)).result()
@@ -82,21 +83,21 @@ def decode(loaded: object, args: argparse.Namespace) -> dict[str, object]:
             "penalties_changed_the_reply": replies["speculation off", True] != replies["speculation off", False]}
 
 
-def timed_sampling(llm: LLM) -> list[float]:
-    """[seconds, calls] of the engine's StepSampler.sample from now on (the caller resets it)."""
+def timed_sampling() -> list[float]:
+    """[seconds, calls] spent in StepSampler.sample, every engine's, from now on (the caller resets it
+    before each generation; one runs at a time)."""
     spent = [0.0, 0]
-    sampler = llm.engine._step_sampler
-    sample = sampler.sample
+    sample = StepSampler.sample
 
-    def timed(*args: object) -> object:
+    def timed(self: StepSampler, *args: object) -> object:
         start = time.perf_counter()
         try:
-            return sample(*args)
+            return sample(self, *args)
         finally:
             spent[0] += time.perf_counter() - start
             spent[1] += 1
 
-    sampler.sample = timed
+    StepSampler.sample = timed
     return spent
 
 
