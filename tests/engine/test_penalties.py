@@ -12,7 +12,10 @@ from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 from kiln import SamplingParams
 from kiln.engine.penalties import Penalties
 from kiln.engine.sampler import Sampler
+from kiln.engine.scheduler import ScheduledChunk
+from kiln.engine.sequence import Request, Sequence
 from kiln.engine.speculative import NgramProposer
+from kiln.engine.step_sampler import StepSampler
 from kiln.engine.stream import GenerationStream
 from kiln.errors import InvalidArgumentError
 from tests.tiny_models import tiny_hf_model
@@ -84,6 +87,21 @@ def test_draft_rows_count_the_draft_tokens_before_them() -> None:
     for i in range(len(draft) + 1):
         alone = penalised(counted(history + reply + draft[:i], reply + draft[:i]), logits, params)
         assert torch.equal(rows[i], alone)
+
+
+def test_the_steps_logits_are_never_written() -> None:
+    """Penalties write in place into a copy: the step's logits stay as the model gave them (a batch whose
+    sampling fails is sampled again row by row from them), for plain rows and a draft's alike."""
+    params = SamplingParams(repetition_penalty=50.0, frequency_penalty=2.0)
+    request = Request(Sequence([4, 5, 4], table=None), params, emit=lambda event: None, stop_token_ids=frozenset(),
+                      generated=[4])
+    logits = torch.zeros(4, VOCAB)  # the plain chunk's row, then the draft chunk's three
+    logits[:, 4] = 10.0  # the likeliest token, until penalised
+    before = logits.clone()
+    plain, drafted = StepSampler(Sampler()).sample([ScheduledChunk(request, 1), ScheduledChunk(request, 3, draft=[9, 9])],
+                                                   logits)
+    assert torch.equal(logits, before)
+    assert plain[0][0] != 4 and drafted[0][0] != 4
 
 
 @pytest.mark.parametrize("options", [{"repetition_penalty": 1.6}, {"presence_penalty": 1.2, "frequency_penalty": 0.8}])
