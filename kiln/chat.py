@@ -1,13 +1,21 @@
-"""Chat formatting: messages into token ids the way the model was trained to read them, so that a
-session's history only ever grows by appending and a stateless chat request repeats the previous
-request's tokens as its prefix.
+"""Chat formatting: messages into token ids the way the model reads them best, so that a session's
+history only ever grows by appending and a stateless chat request repeats the previous request's tokens
+as its prefix.
 
 The engine itself only sees token ids; this module sits beside it in the core because the OpenAI chat
 endpoint and `kiln chat` both need it, and the core never imports the SDK (which may import this).
 
-A conversation is rendered with the model's own jinja chat template when its tokenizer has one (in a
-jinja2 sandbox, as transformers does); otherwise in Gemma's turn format when the vocabulary has turn
-tokens (the embedded base model); otherwise as a plain "Role: text" transcript.
+A chat format (`--chat-format`) says how a conversation is written:
+- `template`: the model's own chat template. An instruct model ships one (`tokenizer.chat_template` in
+  GGUF metadata, tokenizer_config.json or chat_template.jinja in an HF directory); it is rendered in a
+  jinja2 sandbox, as transformers does. Without one, the vocabulary's turn tokens are used when it has
+  Gemma's, else bare "Role: text" lines.
+- `transcript`: for a base model, which continues text rather than answering turns: a short preamble
+  (a system message's text when there is one), two example turns, then the conversation as
+  "User: ...\nAssistant: ..." lines. The model answers once and then starts the next "User:" turn
+  itself, which is where the reply stops (`ChatFormat.stop`).
+- `auto` (the default): `template` when the model has a chat template, else `transcript`. The embedded
+  Gemma 3 270M is a base model: it has none.
 
 Tools, assistant tool calls and tool results go to a template that handles tools (it uses `tools`)
 as transformers passes them. Any other rendering gets them as text (kiln/tools.py): the tool
@@ -20,6 +28,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 
 import jinja2
@@ -38,34 +47,86 @@ _TEXT_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 Message = dict[str, object]  # {"role", "content"}, plus "tool_calls" (assistant) or "tool_call_id" (tool)
 
 
-def uses_gemma_turns(tokenizer: Tokenizer) -> bool:
+CHAT_FORMATS = ("auto", "template", "transcript")
+TRANSCRIPT_PREAMBLE = "A conversation between a user and a helpful assistant, who answers in one or two short sentences."
+TRANSCRIPT_EXAMPLES = ({"role": "user", "content": "What is the capital of Italy?"},
+                       {"role": "assistant", "content": "The capital of Italy is Rome."},
+                       {"role": "user", "content": "How many legs does a spider have?"},
+                       {"role": "assistant", "content": "A spider has eight legs."})
+TRANSCRIPT_ROLES = {"user": "User", "assistant": "Assistant", "system": "System"}
+TRANSCRIPT_REPLY = "Assistant:"  # the reply follows after a space, which the reply's text does not keep
+TRANSCRIPT_STOP = ("\n\nUser:", "\nUser:")  # the model opening the next user turn: its reply is over
+TRANSCRIPT_MAX_TOKENS = 128  # a base model's answer that runs longer is rambling, not answering
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """How a conversation becomes a prompt (see the module docstring), and what ends a reply in it:
+    `stop` strings and a default reply limit (`max_tokens`; None: the caller's usual default)."""
+
+    name: str
+    stop: tuple[str, ...] = ()
+    max_tokens: int | None = None
+
+    @property
+    def transcript(self) -> bool:
+        return self.name == "transcript"
+
+
+TEMPLATE = ChatFormat("template")
+TRANSCRIPT = ChatFormat("transcript", TRANSCRIPT_STOP, TRANSCRIPT_MAX_TOKENS)
+
+
+def chat_format(tokenizer: Tokenizer, requested: str = "auto") -> ChatFormat:
+    """The format `requested` names; `auto` is `template` for a model with a chat template (an instruct
+    model), `transcript` for one without (a base model)."""
+    if requested not in CHAT_FORMATS:
+        raise InvalidArgumentError(f"chat_format must be one of {', '.join(CHAT_FORMATS)}, got {requested!r}",
+                                   "chat_format")
+    if requested == "auto":
+        return TEMPLATE if tokenizer.chat_template else TRANSCRIPT
+    return TEMPLATE if requested == "template" else TRANSCRIPT
+
+
+def _uses_gemma_turns(tokenizer: Tokenizer) -> bool:
     return tokenizer.token_to_id(GEMMA_START) is not None and tokenizer.token_to_id(GEMMA_END) is not None
 
 
-def turn_text(role: str, content: str, tokenizer: Tokenizer) -> str:
-    """One complete turn, ready to append after the previous one."""
-    if uses_gemma_turns(tokenizer):
+def _turn_text(role: str, content: str, tokenizer: Tokenizer) -> str:
+    """One complete turn in the model's turn tokens (or a bare "Role: text" line), ready to append."""
+    if _uses_gemma_turns(tokenizer):
         return f"{GEMMA_START}{ROLE_NAMES.get(role, role)}\n{content}{GEMMA_END}\n"
     return f"{role.capitalize()}: {content}\n"
 
 
-def reply_prefix(tokenizer: Tokenizer) -> str:
+def _reply_prefix(tokenizer: Tokenizer) -> str:
     """What opens the model's turn; generation continues from here."""
-    return f"{GEMMA_START}model\n" if uses_gemma_turns(tokenizer) else "Assistant:"
+    return f"{GEMMA_START}model\n" if _uses_gemma_turns(tokenizer) else "Assistant:"
 
 
-def turn_closer(tokenizer: Tokenizer, last_token: int | None) -> str:
-    """Text that must follow a finished reply before the next turn: Gemma replies end with
-    <end_of_turn> (then a newline follows); a reply cut short needs the marker too."""
-    if not uses_gemma_turns(tokenizer):
-        return "\n"
-    return "\n" if last_token == tokenizer.token_to_id(GEMMA_END) else f"{GEMMA_END}\n"
+def _transcript_turn(role: str, content: str) -> str:
+    """A turn of a transcript; a blank line ends each exchange, as the model ends its reply."""
+    return f"{TRANSCRIPT_ROLES.get(role, role.capitalize())}: {content}\n" + ("\n" if role == "assistant" else "")
 
 
-def tokens_for_chat(messages: Iterable[Message], tokenizer: Tokenizer, tools: Sequence[Tool] = ()) -> list[int]:
+def _transcript(messages: Sequence[dict[str, str]]) -> str:
+    """A whole conversation as a transcript, ending where the model's reply begins. The leading system
+    messages replace the preamble; a later one is a "System:" line."""
+    leading = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    system = "\n\n".join(m["content"] for m in messages[:leading]) or TRANSCRIPT_PREAMBLE
+    turns = [*TRANSCRIPT_EXAMPLES, *messages[leading:]]
+    return f"{system}\n\n" + "".join(_transcript_turn(m["role"], m["content"]) for m in turns) + TRANSCRIPT_REPLY
+
+
+def tokens_for_chat(messages: Iterable[Message], tokenizer: Tokenizer, tools: Sequence[Tool] = (),
+                    form: ChatFormat | None = None) -> list[int]:
     """Token ids of a whole conversation (messages as from_openai_messages makes them), ending with the
-    opening of the model's reply. `tools`: the functions the model may call."""
+    opening of the model's reply. `tools`: the functions the model may call. `form`: the chat format
+    (None: `auto` for this tokenizer)."""
     messages = list(messages)
+    form = form or chat_format(tokenizer)
+    if form.transcript:
+        return tokenizer.encode(_transcript(as_text_messages(messages, tools)), add_special_tokens=True)
     template = tokenizer.chat_template
     if template and ("tools" in template or not (tools or any(_has_tool_parts(m) for m in messages))):
         # the template writes BOS itself, exactly as transformers' apply_chat_template does
@@ -73,7 +134,7 @@ def tokens_for_chat(messages: Iterable[Message], tokenizer: Tokenizer, tools: Se
     messages = as_text_messages(messages, tools)
     if template:
         return tokenizer.encode(render_template(template, messages, tokenizer), add_special_tokens=False)
-    text = "".join(turn_text(m["role"], m["content"], tokenizer) for m in messages) + reply_prefix(tokenizer)
+    text = "".join(_turn_text(m["role"], m["content"], tokenizer) for m in messages) + _reply_prefix(tokenizer)
     return tokenizer.encode(text, add_special_tokens=True)
 
 

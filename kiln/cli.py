@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+from dataclasses import fields
 
-from kiln.chat import reply_prefix, turn_closer, turn_text
-from kiln.config import QUANTIZATIONS, SPECULATIVE_METHODS
+from kiln.chat import CHAT_FORMATS, TRANSCRIPT_MAX_TOKENS, ChatFormat, chat_format, tokens_for_chat
+from kiln.config import QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig
 from kiln.engine.sampler import SamplingParams
 from kiln.engine.stream import DEFAULT_STALL_TIMEOUT_S
 from kiln.errors import InvalidArgumentError, KilnError
@@ -22,55 +23,92 @@ from kiln.snapshots.commands import add_parser as add_snapshot_parser
 from kiln.snapshots.store import default_directory
 from kiln.text import TextDeltas
 
+# Engine flags default to None (an unset flag keeps EngineConfig's value); their help shows these.
+_ENGINE_DEFAULTS = {field.name: field.default for field in fields(EngineConfig)}
+DEFAULT_CHAT_MAX_TOKENS = 256  # a chat reply's limit in a model's own template (its turns end by themselves)
+# the sampling flags (_sampling_args) but --max-tokens, named as SamplingParams' fields
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty")
 EXIT_ENGINE_FAILED = 70  # sysexits' EX_SOFTWARE: an internal error; a supervisor restarts the server
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help where it has a default worth showing and its help does not
+    already name it (engine flags name EngineConfig's, see _ENGINE_DEFAULTS)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == [] or action.default == argparse.SUPPRESS
+        if "default" in text or unset or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags mirroring EngineConfig (unset flags keep its defaults)."""
     parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded Gemma 3 270M)")
-    parser.add_argument("--kv-budget-mb", type=int, default=None, help="memory for KV pages, MiB")
-    parser.add_argument("--page-size", type=int, default=None, help="tokens per KV page")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    parser.add_argument("--kv-budget-mb", type=int, default=None, help=f"memory for KV pages, MiB: the pool is reserved at this size and committed as pages are first used (default {_ENGINE_DEFAULTS['kv_budget_bytes'] // 2**20})")
+    parser.add_argument("--page-size", type=int, default=None, help=f"tokens per KV page (default {_ENGINE_DEFAULTS['page_size']})")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help=f"weights and activations (default {_ENGINE_DEFAULTS['dtype']})")
     parser.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="KV pages' dtype (default auto: float16 with quantised weights on the CPU, else --dtype)")
     parser.add_argument("--quantization", choices=[*QUANTIZATIONS, "none"], default=None,
                         help="int8 projections and LM head (default auto: int8 on AVX2 CPUs with a C++ compiler); "
                         "none = exact weights in --dtype")
     parser.add_argument("--deterministic", action="store_true", default=None,
-                        help="bit-identical logits whatever the batch and prefill chunking (slower prefill)")
+                        help="bit-identical logits whatever the batch and prefill chunking (slower prefill; default off)")
     parser.add_argument("--speculative", choices=[*SPECULATIVE_METHODS, "none"], default=None,
                         help="speculative decoding from the session's history (default ngram); none turns it off")
-    parser.add_argument("--num-speculative-tokens", type=int, default=None, help="most draft tokens verified per step")
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="requests batched in one step")
-    parser.add_argument("--max-batched-tokens", type=int, default=None, help="tokens in one step")
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=None, help="most tokens of one prompt per step")
-    parser.add_argument("--max-model-len", type=int, default=None, help="longest history, tokens")
-    parser.add_argument("--max-sessions", type=int, default=None, help="live sessions before LRU eviction")
-    parser.add_argument("--session-ttl-s", type=float, default=None, help="idle seconds before a session is evicted")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None, help=f"most draft tokens verified per step (default {_ENGINE_DEFAULTS['num_speculative_tokens']})")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help=f"requests batched in one step (default {_ENGINE_DEFAULTS['max_num_seqs']})")
+    parser.add_argument("--max-batched-tokens", type=int, default=None, help=f"tokens in one step (default {_ENGINE_DEFAULTS['max_batched_tokens']})")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=None, help=f"most tokens of one prompt per step (default {_ENGINE_DEFAULTS['prefill_chunk_tokens']})")
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest history, tokens (default: the model's context length)")
+    parser.add_argument("--max-sessions", type=int, default=None, help=f"live sessions before LRU eviction (default {_ENGINE_DEFAULTS['max_sessions']})")
+    parser.add_argument("--session-ttl-s", type=float, default=None, help=f"idle seconds before a session is evicted (default {_ENGINE_DEFAULTS['session_ttl_s']:g})")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
     parser.add_argument("--kv-policy", choices=POLICIES, default=None,
                         help="global layers' resident K/V: full (exact, grows), sink_window (bounded, forgets), "
-                        "restore (bounded, exact: evicted pages in tiers, streamed back)")
-    parser.add_argument("--kv-sink-tokens", type=int, default=None, help="first tokens kept resident (sink_window, restore)")
-    parser.add_argument("--kv-window-tokens", type=int, default=None, help="recent tokens kept resident (sink_window, restore)")
-    parser.add_argument("--kv-codec", choices=CODECS, default=None, help="how KV pages are stored, in the pool and the tiers")
-    parser.add_argument("--kv-host-budget-mb", type=int, default=None, help="host-memory tier budget, MiB")
+                        f"restore (bounded, exact: evicted pages in tiers, streamed back); default {_ENGINE_DEFAULTS['kv_policy']}")
+    parser.add_argument("--kv-sink-tokens", type=int, default=None, help=f"first tokens kept resident (sink_window, restore; default {_ENGINE_DEFAULTS['kv_sink_tokens']})")
+    parser.add_argument("--kv-window-tokens", type=int, default=None, help=f"recent tokens kept resident (sink_window, restore; default {_ENGINE_DEFAULTS['kv_window_tokens']})")
+    parser.add_argument("--kv-codec", choices=CODECS, default=None, help=f"how KV pages are stored, in the pool and the tiers (default {_ENGINE_DEFAULTS['kv_codec']})")
+    parser.add_argument("--kv-host-budget-mb", type=int, default=None, help=f"host-memory tier budget, MiB, used as pages are evicted to it (default {_ENGINE_DEFAULTS['kv_host_budget_mb']})")
     parser.add_argument("--kv-disk-dir", default=None, help="directory of the disk tier (default: no disk tier)")
-    parser.add_argument("--kv-disk-budget-mb", type=int, default=None, help="disk tier budget, MiB")
-    parser.add_argument("--kv-stream-chunk-tokens", type=int, default=None, help="keys per chunk of streamed attention")
-    parser.add_argument("--snapshot-dir", default=None, help="persist sessions and snapshots in this directory")
+    parser.add_argument("--kv-disk-budget-mb", type=int, default=None, help=f"disk tier budget, MiB (default {_ENGINE_DEFAULTS['kv_disk_budget_mb']})")
+    parser.add_argument("--kv-stream-chunk-tokens", type=int, default=None, help=f"keys per chunk of streamed attention (default {_ENGINE_DEFAULTS['kv_stream_chunk_tokens']})")
+    parser.add_argument("--snapshot-dir", default=None, help="persist sessions and snapshots in this directory (default: none; kiln serve: see --no-persist)")
     parser.add_argument("--snapshot-store", default=None,
                         help="persist them in this store instead: redis://host:port/db (shared by several servers)")
     parser.add_argument("--durable-turns", action="store_true", default=None,
-                        help="send a turn's finish only once the turn is saved (no acknowledged turn lost to a crash)")
+                        help="send a turn's finish only once the turn is saved (no acknowledged turn lost to a crash; default off)")
 
 
-def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
-    parser.add_argument("--max-tokens", type=int, default=max_tokens)
-    parser.add_argument("--temperature", type=float, default=temperature)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+def _sampling_args(parser: argparse.ArgumentParser, max_tokens: int | None, temperature: float) -> None:
+    limit = "" if max_tokens else (f" (default: {TRANSCRIPT_MAX_TOKENS} in a transcript, {DEFAULT_CHAT_MAX_TOKENS} "
+                                   "with a template)")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most tokens generated per turn{limit}")
+    parser.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = all)")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="keep only tokens at least this fraction as likely as the likeliest, in [0, 1] (0 = no cut)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="HF/vLLM's, in (0, 100]: tokens already in the history or the reply have their logit divided "
+                        "by it when positive, multiplied otherwise (1 = off)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0,
+                        help="OpenAI's, in [-2, 2]: subtracted from the logit of every token the reply already holds")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0,
+                        help="OpenAI's, in [-2, 2]: subtracted from a token's logit per time the reply already holds it")
+
+
+def _chat_format_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--chat-format", choices=CHAT_FORMATS, default="auto",
+                        help="how chat turns are written: the model's chat template, or a User:/Assistant: transcript "
+                        "that a base model continues and that stops at the next User: turn; auto = template when the "
+                        "model has one (an instruct model), else transcript")
 
 
 def _llm(args: argparse.Namespace) -> LLM:
@@ -104,35 +142,49 @@ def _llm(args: argparse.Namespace) -> LLM:
     return LLM(args.model, **options)
 
 
-def _params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
-    )
+def _sampling_options(args: argparse.Namespace) -> dict[str, object]:
+    """The sampling flags but --max-tokens (each command settles that its way) by SamplingParams' names,
+    checked: an out-of-range value is refused naming its field, before any model loads."""
+    options = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+    SamplingParams(**options)
+    return options
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    params = SamplingParams(max_tokens=args.max_tokens, **_sampling_options(args))
     with _llm(args) as llm:
         session = llm.create_session(llm.tokenizer.encode(args.prompt))
-        for piece in session.generate_text(_params(args)):
+        for piece in session.generate_text(params):
             print(piece, end="", flush=True)
         print()
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
+    _sampling_options(args)  # an out-of-range flag is refused before a model loads or a server is called
     if args.server:
         from kiln.client import Client
 
         with Client(args.server, api_key=args.api_key, tokenizer="server", ca_file=args.tls_ca) as client:
             print(f"kiln chat: server {args.server}", file=sys.stderr)
-            _chat_loop(client.create_session(), _RemoteTokenizer(client), args)
+            tokenizer = _RemoteTokenizer(client)
+            _chat_loop(client, tokenizer, chat_format(tokenizer, args.chat_format), args)
         return
     with _llm(args) as llm:
-        print(f"kiln chat: {llm.loaded.config.name or llm.loaded.source.name} (in process)", file=sys.stderr)
-        _chat_loop(llm.create_session(), llm.tokenizer, args)
+        name = llm.loaded.config.name or llm.loaded.source.name
+        print(f"kiln chat: {name} (in process)", file=sys.stderr)
+        form = chat_format(llm.tokenizer, args.chat_format)
+        if form.transcript and not llm.tokenizer.chat_template:
+            print(f"note: {name} is a base model (no chat template): it continues text, so each turn is a line of a "
+                  "Q&A transcript; it answers short factual questions and completes text, but follows no long "
+                  "instructions", file=sys.stderr)
+        _chat_loop(llm, llm.tokenizer, form, args)
 
 
 class _RemoteTokenizer:
-    """The slice of Tokenizer the chat formatting needs, answered by a server's Tokenize RPCs."""
+    """The slice of Tokenizer the chat formatting needs, answered by a server's Tokenize RPCs. The
+    server's chat template is not visible from here: `--chat-format auto` chats in a transcript."""
+
+    chat_template = None
 
     def __init__(self, client: object) -> None:
         self.client = client
@@ -141,16 +193,23 @@ class _RemoteTokenizer:
         ids = self.client.tokenize(token, add_special_tokens=False)
         return ids[0] if len(ids) == 1 else None
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.client.tokenize(text, add_special_tokens=add_special_tokens)
+
     def decode(self, ids: list[int]) -> str:
         return self.client.detokenize(ids, skip_special_tokens=True)
 
 
-def _chat_loop(session: object, tokenizer: object, args: argparse.Namespace) -> None:
-    """Turns on one session, in process or remote: only each new turn is appended (and prefilled)."""
+def _chat_loop(host: object, tokenizer: object, form: ChatFormat, args: argparse.Namespace) -> None:
+    """Turns on one session, in process (`host` an LLM) or remote (a Client). Each turn renders the whole
+    conversation as /v1/chat/completions does (kiln/chat.py) and appends only what the history lacks;
+    where the rendering departs from the history (a reply the format writes otherwise than it was
+    generated), the session forks at the last token they share, so the cache still serves all before it."""
     interactive = sys.stdin.isatty()
-    options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-               "top_k": args.top_k, "seed": args.seed}
-    last_token: int | None = None
+    default = form.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+    options = {"max_tokens": default if args.max_tokens is None else args.max_tokens,
+               **_sampling_options(args), "stop": form.stop}
+    session, history, messages = host.create_session(), [], []
     while True:
         try:
             line = input("you> " if interactive else "")
@@ -158,17 +217,38 @@ def _chat_loop(session: object, tokenizer: object, args: argparse.Namespace) -> 
             break
         if not line.strip():
             continue
-        closer = "" if last_token is None else turn_closer(tokenizer, last_token)
-        session.append_text(closer + turn_text("user", line, tokenizer) + reply_prefix(tokenizer))
+        messages.append({"role": "user", "content": line})
+        prompt = tokens_for_chat(messages, tokenizer, form=form)
+        shared = _shared_prefix(history, prompt)
+        if shared < len(history):
+            forked = session.fork(shared)
+            session.close()
+            session = forked
+        session.append(prompt[shared:])
         print("model> ", end="", flush=True)
         stream = session.generate(**options)
-        deltas = TextDeltas(tokenizer.decode)
+        deltas = TextDeltas(tokenizer.decode, form.stop)
+        reply = ""
         for token in stream:
-            print(deltas.push([token]), end="", flush=True)
-            last_token = token
+            piece = deltas.push([token])
+            print(_shown(reply, piece, form), end="", flush=True)
+            reply += piece
         result = stream.result()
-        print(deltas.finish(result.stop_string), end="")
+        rest = deltas.finish(result.stop_string)
+        print(_shown(reply, rest, form), end="")
+        reply += rest
+        history = prompt + list(result.token_ids)
+        messages.append({"role": "assistant", "content": reply.removeprefix(" ") if form.transcript else reply})
         print("\n  " + _turn_stats(result, session.info().history_tokens), file=sys.stderr)
+
+
+def _shared_prefix(first: list[int], second: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b), min(len(first), len(second)))
+
+
+def _shown(reply: str, piece: str, form: ChatFormat) -> str:
+    """A piece of the reply as printed: a transcript's reply opens with the space after "Assistant:"."""
+    return piece.removeprefix(" ") if form.transcript and not reply else piece
 
 
 def _turn_stats(result: object, history: int) -> str:
@@ -198,6 +278,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                args.http_body_timeout_s),
         access_log=AccessLog(args.log_format, args.log_content),
         stall_timeout_s=args.stall_timeout_s, grpc_limits=GrpcLimits(max_concurrent_rpcs=args.max_concurrent_rpcs),
+        chat_format=args.chat_format,
     )
     api_keys_for(options)  # refuse an unsafe bind before spending seconds on loading the model
     if args.no_persist:
@@ -219,23 +300,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln: a session-native LLM inference runtime")
     commands = parser.add_subparsers(dest="command", required=True)
-    generate = commands.add_parser("generate", help="print the continuation of a prompt")
+    generate = commands.add_parser("generate", help="print the continuation of a prompt", formatter_class=_DefaultsFormatter)
     generate.add_argument("--prompt", required=True)
     _engine_args(generate)
     _sampling_args(generate, max_tokens=64, temperature=0.0)
     generate.set_defaults(run=cmd_generate)
-    chat = commands.add_parser("chat", help="interactive chat on one session, with per-turn cache statistics")
+    chat = commands.add_parser("chat", help="interactive chat on one session, with per-turn cache statistics",
+                               formatter_class=_DefaultsFormatter)
     _engine_args(chat)
     chat.add_argument("--server", default=None, help="talk to a running `kiln serve` (gRPC address) instead")
     chat.add_argument("--api-key", default=None, help="API key for --server")
     chat.add_argument("--tls-ca", default=None, help="PEM CA to trust: talk to --server over TLS")
-    _sampling_args(chat, max_tokens=256, temperature=0.0)
+    _chat_format_arg(chat)
+    _sampling_args(chat, max_tokens=None, temperature=0.0)
     chat.set_defaults(run=cmd_chat)
-    serve = commands.add_parser("serve", help="serve gRPC and the OpenAI-compatible HTTP API on one engine")
+    serve = commands.add_parser("serve", help="serve gRPC and the OpenAI-compatible HTTP API on one engine",
+                                formatter_class=_DefaultsFormatter)
     _engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--grpc-port", type=int, default=50051)
-    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address both ports bind")
+    serve.add_argument("--grpc-port", type=int, default=50051, help="gRPC port")
+    serve.add_argument("--http-port", type=int, default=8000, help="HTTP port (OpenAI API, REST, metrics)")
+    _chat_format_arg(serve)
     serve.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
     serve.add_argument("--api-keys-file", default=None, help="API keys: one per line, or TOML [keys.NAME] with key_sha256 and limits; SIGHUP re-reads it")
     serve.add_argument("--insecure-no-auth", action="store_true", help="allow a non-loopback bind without keys")

@@ -16,6 +16,7 @@ from kiln.engine.sampler import SEED_RANGE, SamplingParams
 from kiln.engine.sequence import Event, FinishEvent, Sequence
 from kiln.engine.stream import BaseStream, GenerationStream
 from kiln.errors import FailedPreconditionError, InvalidArgumentError, KilnError
+from kiln.heap import release_free_memory
 from kiln.models.loader import LoadedModel, load_model
 from kiln.results import SessionInfo, SnapshotInfo, Usage
 from kiln.sessions import SessionStore
@@ -51,6 +52,7 @@ class LLM:
         target = self.config.snapshot_store or self.config.snapshot_dir
         self.persistence = self._persistence(target) if target else None
         self.sessions = SessionStore(self.engine, self.config.max_sessions, self.config.session_ttl_s, self.persistence)
+        release_free_memory()  # what loading freed (kiln/heap.py says why)
 
     def _persistence(self, target: str) -> Persistence:
         store = open_store(target)

@@ -53,6 +53,9 @@ class SessionInfo:
     unsaved_changes: bool = False
     last_saved_at: float | None = None
     save_failures: int = 0
+    # False for a session listed from the snapshot store, not in memory (evicted, or saved before a
+    # restart): none of its K/V is resident; its next use brings it back.
+    resident: bool = True
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ from kiln.errors import (
 from kiln.kv.image import KVImage
 from kiln.results import OwnerUsage, SessionInfo, Usage
 from kiln.snapshots.manifest import SNAPSHOT_ID
-from kiln.snapshots.persistence import Known, MissingPagesError, Persistence, SessionCapture
+from kiln.snapshots.persistence import Known, MissingPagesError, Persistence, SessionCapture, StoredSession
 
 logger = logging.getLogger(__name__)
 
@@ -270,9 +270,16 @@ class SessionStore:
             return self._info(self._session(leaving, session_id, owner))
 
     def list(self, owner: str | None = None) -> list[SessionInfo]:
+        """The owner's sessions in memory, then (with persistence) those that are not: evicted, or saved
+        before a restart, each brought back by its next use (`resident` False, no K/V resident)."""
         with self._locked() as leaving:
             self._expire(leaving)
-            return [self._info(s) for s in self._sessions.values() if s.owner == owner]
+            live = [self._info(s) for s in self._sessions.values() if s.owner == owner]
+            listed = {info.session_id for info in live}
+        if self.persistence is None:
+            return live
+        stored = [self._stored_info(s) for s in self.persistence.sessions(owner) if s.session_id not in listed]
+        return live + stored
 
     def owner_usage(self, owner: str | None) -> OwnerUsage:
         """How many live sessions `owner` has and the bytes of their resident pages (per-key quotas)."""
@@ -671,6 +678,32 @@ class SessionStore:
             unsaved_changes=saved.unsaved_changes if saved else False,
             last_saved_at=saved.last_saved_at if saved else None,
             save_failures=saved.save_failures if saved else 0,
+        )
+
+
+    def _stored_info(self, stored: StoredSession) -> SessionInfo:
+        name, _, sizes = stored.policy.partition(":")
+        sink, _, window = sizes.partition(":")
+        return SessionInfo(
+            session_id=stored.session_id,
+            history_tokens=stored.history_tokens,
+            computed_tokens=0,
+            resident_pages=0,
+            resident_kv_bytes=0,
+            reused_tokens=0,
+            last_prefill_tokens=0,
+            generating=False,
+            created_at=stored.created_at,
+            idle_s=stored.idle_s,
+            ttl_s=stored.ttl_s,
+            kv_policy=name,
+            kv_sink_tokens=int(sink or 0),
+            kv_window_tokens=int(window or 0),
+            kv_bytes_per_token=float(self.engine.kv_bytes_per_token),
+            tier_bytes_per_token=self.engine.tier_bytes_per_token,
+            unsaved_changes=stored.last_saved_at is None,
+            last_saved_at=stored.last_saved_at,
+            resident=False,
         )
 
 

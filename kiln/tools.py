@@ -12,8 +12,8 @@ grammar over replies (`grammar`), so what the model writes always parses:
 - `none`: no grammar from the tools (the reply is plain text, or the response_format's);
 - `required`: one call (or several, with parallel_tool_calls) and nothing else;
 - a named function: exactly one call to it;
-- `auto`: either one or more calls, or plain text that does not begin with `<tool_call>` (with a
-  json response_format, that JSON instead of free text). A reply is a call exactly when it begins
+- `auto`: either one or more calls, or plain text that does not begin with `<tool_call>`, even after
+  whitespace (with a json response_format, that JSON instead of free text). A reply is a call exactly when it begins
   with `<tool_call>`, so a reply never mixes text and calls.
 
 Each call's `arguments` must match its function's JSON schema. `ToolCallParser` turns the generated text
@@ -102,8 +102,8 @@ def grammar(tools: Sequence[Tool], choice: ToolChoice, plain_json: Mapping | Non
         return "\n".join(["start: calls", *rules])
     if plain_json is not None:
         plain = f"plain: %json {json.dumps({**plain_json, 'x-guidance': _LAYOUT})}"
-    else:  # any text that does not begin like a call
-        plain = f'plain: TEXT\nTEXT: /(?s:.+)/ & ~/{re.escape(CALL_OPEN.strip())}(?s:.*)/'
+    else:  # any text that does not begin like a call, even after whitespace (a transcript's reply opens with a space)
+        plain = f'plain: TEXT\nTEXT: /(?s:.+)/ & ~/\\s*{re.escape(CALL_OPEN.strip())}(?s:.*)/'
     return "\n".join(["start: plain | calls", plain, *rules])
 
 
@@ -161,12 +161,21 @@ class ToolCallParser:
     """Splits a reply's text, fed in pieces as it is generated, into plain content and tool calls:
     `push` returns what became certain. A reply is plain when it does not begin with `<tool_call>`; a
     call's arguments stream out as their text arrives (the closing `}` and `</tool_call>` held back
-    until seen). Text cut short (max_tokens) leaves the last call's arguments incomplete."""
+    until seen).
+
+    A call identical to an earlier call of the same reply adds nothing, and a model that writes one
+    would go on repeating it: the repeat is never handed out (a call is held back while it matches an
+    earlier one so far) and `repeated` says the reply is over. Markup of a call never becomes content:
+    a reply cut short (`finish(complete=False)`) drops a call whose name is not yet written, and a
+    started call keeps the arguments written so far (not yet complete JSON)."""
 
     _buffer: str = ""
-    _mode: str = "undecided"  # undecided | plain | between | header | arguments
+    _mode: str = "undecided"  # undecided | plain | between | call | over
     _calls: int = 0
     _names: list[str] = field(default_factory=list)
+    _body: str = ""  # the current call's text after <tool_call>, up to its closing "}" (held back)
+    _sent: int = -1  # how much of _body went out (-1: not even its CallStart)
+    _bodies: list[str] = field(default_factory=list)  # the complete calls' bodies
 
     def push(self, text: str) -> list[ReplyDelta]:
         self._buffer += text
@@ -177,49 +186,62 @@ class ToolCallParser:
         """The functions called so far, by call index."""
         return list(self._names)
 
+    @property
+    def repeated(self) -> bool:
+        """The model repeated an earlier call: the reply ended with the call before it."""
+        return self._mode == "over"
+
     def _drain(self) -> Iterator[ReplyDelta]:
         while self._buffer:
             if self._mode == "plain":
                 yield ContentDelta(self._take(len(self._buffer)))
+            elif self._mode == "over":
+                self._buffer = ""
             elif self._mode in ("undecided", "between"):
                 expected = CALL_OPEN if self._mode == "undecided" else CALL_SEPARATOR + CALL_OPEN
                 if self._buffer.startswith(expected):
                     self._take(len(expected))
-                    self._mode = "header"
+                    self._mode = "call"
                 elif not expected.startswith(self._buffer):
                     self._mode = "plain"
                 else:
                     return
-            elif self._mode == "header":
-                match = _HEADER.match(self._buffer)
-                if match is None:
-                    return
-                self._take(match.end())
-                self._names.append(match.group(1))
-                self._mode = "arguments"
-                yield CallStart(self._calls, match.group(1))
             else:
                 end = self._buffer.find(_ARGUMENTS_END)
-                if end >= 0:
-                    if end:
-                        yield ArgumentsDelta(self._calls, self._take(end))
-                    self._take(len(_ARGUMENTS_END))
-                    self._calls += 1
-                    self._mode = "between"
+                complete = end >= 0
+                self._body += self._take(end if complete else len(self._buffer) - partial_suffix(self._buffer, _ARGUMENTS_END))
+                if complete and self._body in self._bodies:
+                    self._mode = "over"
                     continue
-                keep = partial_suffix(self._buffer, _ARGUMENTS_END)
-                if len(self._buffer) > keep:
-                    yield ArgumentsDelta(self._calls, self._take(len(self._buffer) - keep))
+                if complete or not any(body.startswith(self._body) for body in self._bodies):
+                    yield from self._release()
+                if not complete:
+                    return
+                self._take(len(_ARGUMENTS_END))
+                self._bodies.append(self._body)
+                self._body, self._sent, self._mode = "", -1, "between"
+                self._calls += 1
+
+    def _release(self) -> Iterator[ReplyDelta]:
+        """The current call's start and the arguments not yet handed out, once its name is written."""
+        if self._sent < 0:
+            match = _HEADER.match(self._body)
+            if match is None:
                 return
+            self._names.append(match.group(1))
+            self._sent = match.end()
+            yield CallStart(self._calls, match.group(1))
+        if len(self._body) > self._sent:
+            yield ArgumentsDelta(self._calls, self._body[self._sent :])
+            self._sent = len(self._body)
 
     def _take(self, count: int) -> str:
         taken, self._buffer = self._buffer[:count], self._buffer[count:]
         return taken
 
-    def finish(self) -> list[ReplyDelta]:
-        """What is left when the text ends: held-back text of an unfinished call's arguments, or a
-        reply too short to tell, as content."""
+    def finish(self, complete: bool = True) -> list[ReplyDelta]:
+        """What is left when the text ends. A complete reply too short to tell is content; from a reply
+        cut short (max_tokens) only content is left, never the markup of a call: an unfinished call
+        keeps what it had (`push` handed out its arguments so far)."""
         rest, self._buffer = self._buffer, ""
-        if not rest:
-            return []
-        return [ArgumentsDelta(self._calls, rest) if self._mode == "arguments" else ContentDelta(rest)]
+        return [ContentDelta(rest)] if rest and self._mode == "undecided" and complete else []

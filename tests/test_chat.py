@@ -4,7 +4,14 @@ import json
 
 import pytest
 
-from kiln.chat import from_openai_messages, tokens_for_chat
+from kiln.chat import (
+    TEMPLATE,
+    TRANSCRIPT,
+    TRANSCRIPT_PREAMBLE,
+    chat_format,
+    from_openai_messages,
+    tokens_for_chat,
+)
 from kiln.errors import InvalidArgumentError
 from kiln.tokenizer import Tokenizer
 from kiln.tools import Tool
@@ -65,14 +72,29 @@ def test_template_errors_and_sandbox_escapes_are_invalid_arguments():
         tokens_for_chat(MESSAGES, escaping)
 
 
-def test_gemma_turns_and_plain_transcript():
+def test_a_model_without_a_chat_template_chats_in_a_transcript_that_stops_at_the_next_user_turn():
     plain = byte_tokenizer()
-    assert plain.decode(tokens_for_chat(MESSAGES, plain)) == "System: Be kind.\nUser: Hi\nAssistant:"
+    assert chat_format(plain) is TRANSCRIPT and chat_format(with_template(CHATML)) is TEMPLATE
+    text = plain.decode(tokens_for_chat(MESSAGES + [{"role": "assistant", "content": "Hello."},
+                                                    {"role": "user", "content": "Bye"}], plain))
+    assert text == ("Be kind.\n\n"  # the system message replaces the preamble; the example turns stay
+                    "User: What is the capital of Italy?\nAssistant: The capital of Italy is Rome.\n\n"
+                    "User: How many legs does a spider have?\nAssistant: A spider has eight legs.\n\n"
+                    "User: Hi\nAssistant: Hello.\n\nUser: Bye\nAssistant:")
+    assert plain.decode(tokens_for_chat(MESSAGES[1:], plain)).startswith(TRANSCRIPT_PREAMBLE + "\n\nUser: What")
+    assert TRANSCRIPT.stop == ("\n\nUser:", "\nUser:") and TRANSCRIPT.max_tokens == 128 and TEMPLATE.stop == ()
+
+
+def test_chat_format_template_forces_the_models_turns_and_a_bad_name_is_refused():
     gemma = byte_tokenizer()
     gemma.backend.add_special_tokens(["<start_of_turn>", "<end_of_turn>"])
-    ids = tokens_for_chat(MESSAGES, gemma)
+    ids = tokens_for_chat(MESSAGES, gemma, form=chat_format(gemma, "template"))
     assert gemma.decode(ids, skip_special_tokens=False) == (
         "<start_of_turn>user\nBe kind.<end_of_turn>\n<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n")
+    plain = byte_tokenizer()
+    assert plain.decode(tokens_for_chat(MESSAGES, plain, form=TEMPLATE)) == "System: Be kind.\nUser: Hi\nAssistant:"
+    with pytest.raises(InvalidArgumentError, match="chat_format must be one of auto, template, transcript"):
+        chat_format(plain, "chatml")
 
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
@@ -84,8 +106,8 @@ TOOL_TURNS = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "co
 def test_tool_calls_and_results_render_as_text_without_a_tool_template():
     plain = byte_tokenizer()
     text = plain.decode(tokens_for_chat(from_openai_messages(TOOL_TURNS), plain, TOOLS))
-    assert text.startswith("System: You can call these tools:\n" + json.dumps(TOOLS[0].definition()))
-    assert ('Assistant: <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    assert text.startswith("You can call these tools:\n" + json.dumps(TOOLS[0].definition()))
+    assert ('Assistant: <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n\n'
             "User: <tool_response>\n21 C\n</tool_response>\nAssistant:") in text
 
 

@@ -69,7 +69,8 @@ class Client:
         return Session(self, session_id)
 
     def list_sessions(self, *, timeout_s: float | None = None) -> list[SessionInfo]:
-        """This API key's live sessions, least recently used first."""
+        """This API key's sessions: those in memory, least recently used first, then (on a server that
+        persists sessions) those saved but not in memory, `resident` False, brought back by their next use."""
         return [wire.session_info(s) for s in self._call(self._stub.ListSessions, pb.ListSessionsRequest(), timeout_s).sessions]
 
     def restore_session(self, snapshot_id: str, *, timeout_s: float | None = None) -> Session:
@@ -169,15 +170,22 @@ class Session:
         json_schema: Mapping[str, Any] | str | None = None,
         regex: str | None = None,
         grammar: str | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        frequency_penalty: float | None = None,
         timeout_s: float | None = None,
     ) -> Generation:
         """Continues the history; returns once the server accepted (refusals raise here), then iterate
         for token ids as they commit. max_tokens None: the server's default (256). At most one of
-        json_schema (a dict or JSON text), regex and grammar (Lark) constrains the generated text. `timeout_s`
+        json_schema (a dict or JSON text), regex and grammar (Lark) constrains the generated text. min_p and
+        the penalties (repetition: HF/vLLM's, presence and frequency: OpenAI's) as in the proto; None: off. `timeout_s`
         bounds the whole call, stream included (past it, DeadlineExceededError); the client's default
         does not apply, as it is meant for quick calls."""
         request = wire.generate_request(self.id, max_tokens, temperature, top_p, top_k, seed, stop,
-                                        stop_token_ids, ignore_eos, logprobs, json_schema, regex, grammar)
+                                        stop_token_ids, ignore_eos, logprobs, json_schema, regex, grammar,
+                                        min_p=min_p, repetition_penalty=repetition_penalty,
+                                        presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
         return Generation(self, self.client._stub.Generate(request, metadata=self.client._metadata,
                                                        timeout=check_timeout(timeout_s)))
 

@@ -111,6 +111,11 @@ def generate_request(
     json_schema: object = None,
     regex: str | None = None,
     grammar: str | None = None,
+    *,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
 ) -> pb.GenerateRequest:
     """The Generate request; `json_schema` may be a dict (sent as JSON text) or JSON text."""
     return message(
@@ -128,6 +133,10 @@ def generate_request(
         json_schema=schema_text(json_schema),
         regex=regex,
         grammar=grammar,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
     )
 
 

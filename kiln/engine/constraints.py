@@ -54,6 +54,16 @@ MAX_SOURCE_CHARS = LIMITS.max_source_chars  # a schema or grammar larger than th
 PROBE_TOKENS = 4  # tokens a compile walks to find a grammar that fails within llguidance's limits
 CACHE_ENTRIES = 256  # compiled grammars kept per vocabulary (least recently used dropped first)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
+# Unbounded numbers' bounds (as_generated): the largest double below 2**63, as llguidance reads bounds as
+# doubles and 2**63 - 1 itself rounds past the 64-bit range; 19 digits
+INT64_BOUND = 2**63 - 1024
+NUMBER_DECIMALS = 9  # decimals of a number without multipleOf
+_BOUNDED_NUMBER = {"type": "number", "minimum": -INT64_BOUND, "maximum": INT64_BOUND, "multipleOf": 10.0 ** -NUMBER_DECIMALS}
+# any JSON object (json_object), its numbers bounded as as_generated bounds a schema's
+ANY_OBJECT = {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}, "$defs": {"value": {"anyOf": [
+    {"type": "null"}, {"type": "boolean"}, _BOUNDED_NUMBER, {"type": "string"},
+    {"type": "array", "items": {"$ref": "#/$defs/value"}},
+    {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}}]}}}
 
 
 @dataclass(frozen=True)
@@ -73,7 +83,7 @@ class Constraint:
             schema = parse_schema(schema, param)
         if not isinstance(schema, Mapping | bool):
             raise InvalidArgumentError(f"{param} must be a JSON schema (an object), got {type(schema).__name__}", param)
-        return cls("json_schema", json.dumps(closed(schema, param), ensure_ascii=False), param)
+        return cls("json_schema", json.dumps(as_generated(schema, param), ensure_ascii=False), param)
 
     @classmethod
     def json_object(cls, param: str = "json_object") -> Constraint:
@@ -113,7 +123,7 @@ class Constraint:
             return llguidance.LLMatcher.grammar_from_regex(self.source)
         if self.kind == "grammar":
             return llguidance.LLMatcher.grammar_from_lark(self.source)
-        schema = self.source if self.kind == "json_schema" else '{"type": "object"}'
+        schema = self.source if self.kind == "json_schema" else json.dumps(ANY_OBJECT)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
         except ValueError as error:  # a schema that is not an object (true, false)
@@ -134,14 +144,21 @@ class Constraint:
         raise InvalidArgumentError(f"{where} does not compile: {error.strip()}", self.param or None)
 
 
-def closed(schema: object, param: str = "json_schema") -> object:
-    """The schema with every object that lists `properties` closed to others (additionalProperties:
-    false) unless it says otherwise, as OpenAI's strict mode and xgrammar's do: what is generated still
-    validates against the schema, and a model cannot pad an object with keys nobody asked for (a base
-    model happily copies the schema into its arguments). An object combined with allOf/anyOf/oneOf, and
-    the members of an allOf, stay open: each describes only part of the object. A schema over the
-    limits of kiln/engine/constraint_limits.py is refused first (InvalidArgumentError naming `param`):
-    closing recurses as deep as the schema."""
+def as_generated(schema: object, param: str = "json_schema") -> object:
+    """The schema as Kiln generates it, so that what is generated still validates against the original
+    and always ends:
+
+    - every object that lists `properties` is closed to others (additionalProperties: false) unless it
+      says otherwise, as OpenAI's strict mode and xgrammar's do: a model cannot pad an object with keys
+      nobody asked for (a base model happily copies the schema into its arguments). An object combined
+      with allOf/anyOf/oneOf, and the members of an allOf, stay open: each describes only part of it.
+    - an integer or number without a bound on a side gets +-INT64_BOUND there (19 digits, what JSON
+      parsers read as a 64-bit integer), and a number without `multipleOf` at most NUMBER_DECIMALS
+      decimals: otherwise a model may write digits until max_tokens. Bounded numbers are written
+      without an exponent. `json_object` (any object, ANY_OBJECT) bounds its numbers alike.
+
+    A schema over the limits of kiln/engine/constraint_limits.py is refused first (InvalidArgumentError
+    naming `param`): the rewrite recurses as deep as the schema."""
     check_schema(schema, param)
     return _closed(schema)
 
@@ -155,7 +172,22 @@ def _closed(schema: object, close: bool = True) -> object:
     open_keys = ("additionalProperties", "unevaluatedProperties", "patternProperties", "allOf", "anyOf", "oneOf")
     if close and "properties" in result and not any(key in result for key in open_keys):
         result["additionalProperties"] = False
-    return result
+    return _bounded(result)
+
+
+def _bounded(schema: dict) -> dict:
+    """A numeric schema with the bounds it lacks (see as_generated)."""
+    kinds = schema.get("type")
+    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+    if not kinds & {"integer", "number"}:
+        return schema
+    if "minimum" not in schema and "exclusiveMinimum" not in schema:
+        schema["minimum"] = _BOUNDED_NUMBER["minimum"]
+    if "maximum" not in schema and "exclusiveMaximum" not in schema:
+        schema["maximum"] = _BOUNDED_NUMBER["maximum"]
+    if "number" in kinds and "multipleOf" not in schema:
+        schema["multipleOf"] = _BOUNDED_NUMBER["multipleOf"]
+    return schema
 
 
 def _closed_member(key: str, value: object) -> object:

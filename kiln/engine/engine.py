@@ -58,6 +58,7 @@ from kiln.models.loader import LoadedModel
 from kiln.models.quant import quantized_file
 
 logger = logging.getLogger(__name__)
+EMBEDDINGS = "model.embed_tokens.weight"
 FailureObserver = Callable[[BaseException], None]
 
 
@@ -76,12 +77,23 @@ class SequenceKV:
 def build_engine_model(config: EngineConfig, loaded: LoadedModel) -> tuple[torch.nn.Module, str]:
     """The model with its weights as the config stores and computes them, and the tag naming that
     choice: K/V bits depend on how the weights are stored and on the kernels (batch-invariant or BLAS),
-    so the tag is part of the KV format snapshots are checked against."""
+    so the tag is part of the KV format snapshots are checked against. Weights the kernels compute with
+    are read one layer at a time (from the quantised copy in the cache when there is one), and token
+    embeddings stay in their file where they serve lookups only: no float32 copy of the model is ever
+    resident whole (docs/architecture.md § Memory)."""
     model = build_model(loaded.config, dtype=config.torch_dtype, device=config.device)
-    model.load_weights(loaded.tensors)
     quantized = config.quantization
+    kernel_weights = quantized is not None or config.deterministic
+    table = loaded.stored_rows(EMBEDDINGS)
+    mapped = model.can_map_embeddings(table, head_quantised=kernel_weights)
+    skip = (model.linear_parameters() if kernel_weights else set()) | ({EMBEDDINGS} if mapped else set())
+    if not kernel_weights:
+        loaded.keep_converted()
+    model.load_weights(loaded.tensors, skip=skip)
+    if mapped:
+        model.map_embeddings(table)
     cache_file = quantized_file(loaded.cache_entry, quantized) if loaded.cache_entry and quantized else None
-    quantize_model(model, quantized, batch_invariant=config.deterministic, cache_file=cache_file)
+    quantize_model(model, quantized, batch_invariant=config.deterministic, cache_file=cache_file, tensors=loaded.tensors)
     weights = f"{dtype_name(config.torch_dtype)}/{quantized or 'exact'}" + ("/deterministic" if config.deterministic else "")
     if config.fused_kernels:
         model.use_kernels()

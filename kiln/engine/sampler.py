@@ -1,4 +1,5 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+Repetition, presence and frequency penalties change the logits before this (kiln/engine/penalties.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters
 MAX_TOP_LOGPROBS = 20  # alternatives reported per position (OpenAI's limit)
 INT32_MAX = 2**31 - 1  # counts (max_tokens, top_k) fit the wire's int32 fields
+MAX_REPETITION_PENALTY = 100.0  # keeps penalised logits finite (a logit of -1e36 times 100 is still a float32)
+MAX_OPENAI_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's range)
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,10 @@ class SamplingParams:
     top_logprobs: int = 0  # also report the most likely alternatives at each position, at most MAX_TOP_LOGPROBS
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value in [-100, 100]) added to its logit
     constraint: Constraint | None = None  # the text must match it (kiln/engine/constraints.py)
+    min_p: float = 0.0  # keep tokens whose probability is >= min_p x the likeliest's (0 = no cut)
+    repetition_penalty: float = 1.0  # > 0; tokens of the history and the reply: logit / it if > 0, else x it (1 = off)
+    presence_penalty: float = 0.0  # in [-2, 2]; subtracted once from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # in [-2, 2]; subtracted per time a token was generated so far
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -59,6 +66,11 @@ class SamplingParams:
         yield "temperature", _number_in("temperature", self.temperature, 0.0, 100.0, low_open=False)
         yield "top_k", _integer_in("top_k", self.top_k, 0, INT32_MAX)
         yield "top_p", _number_in("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        yield "min_p", _number_in("min_p", self.min_p, 0.0, 1.0, low_open=False)
+        yield "repetition_penalty", _number_in("repetition_penalty", self.repetition_penalty, 0.0,
+                                               MAX_REPETITION_PENALTY, low_open=True)
+        for name in ("presence_penalty", "frequency_penalty"):
+            yield name, _number_in(name, getattr(self, name), -MAX_OPENAI_PENALTY, MAX_OPENAI_PENALTY, low_open=False)
         if self.seed is not None:
             yield "seed", _integer_in("seed", self.seed, *SEED_RANGE)
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
@@ -81,6 +93,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the request's own tokens change its logits (kiln/engine/penalties.py)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 def _is_integer(value: object) -> bool:
@@ -156,7 +173,9 @@ class Sampler:
         return self.draw(self.probabilities(logits, p), request_id, p.seed)
 
     def probabilities(self, logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-        """The distribution a row is sampled from: [vocab] logits after temperature, top-k and top-p."""
+        """The distribution a row is sampled from: [vocab] logits after temperature, top-k, top-p and min-p
+        (HF transformers' order; min-p compares with the likeliest token, which every cut keeps, so it
+        is the same cut before or after the others)."""
         scaled = (logits - logits.max()) / p.temperature  # <= 0 everywhere: no overflow at low temperature
         if p.top_k:
             kth = torch.topk(scaled, min(p.top_k, scaled.numel())).values[-1]
@@ -168,6 +187,8 @@ class Sampler:
             outside = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
             outside[0] = False  # the likeliest token always stays, however small top_p is
             probs = probs.scatter(0, order[outside], 0.0)
+        if p.min_p > 0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         return probs
 
     def draw(self, probs: torch.Tensor, request_id: int, seed: int | None) -> int:

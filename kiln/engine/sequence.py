@@ -8,7 +8,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from kiln.engine.constraints import Matcher
+from kiln.engine.penalties import Penalties
 from kiln.engine.sampler import SamplingParams
 from kiln.kv.pages import PageTable
 from kiln.results import Usage
@@ -79,6 +82,14 @@ class Request:
     # the request aside, its pages kept, until cleared (kiln/engine/stream.py § Backpressure).
     paused: threading.Event = field(default_factory=threading.Event)
     stalled: bool = False  # cancelled because it stayed paused past its stall timeout
+    penalties: Penalties | None = None  # its token counts, once a penalised request first samples
+
+    def penalty_counts(self, vocab_size: int, device: torch.device) -> Penalties:
+        """The request's token counts, brought up to date with its sequence (made on first use)."""
+        if self.penalties is None:
+            self.penalties = Penalties.empty(vocab_size, device)
+        self.penalties.sync(self.seq.tokens, self.generated)
+        return self.penalties
 
     def settle_usage(self) -> Usage:
         """The usage its finish event reports. A request that ends before its admission counted its

@@ -2,7 +2,8 @@
 
 A plain chunk samples one token from its row; a chunk carrying a speculative draft verifies it against
 its rows (kiln/engine/speculative.py) and yields the draft's accepted prefix plus one token. Grammar
-masks and logit biases apply to every row first (kiln/engine/constraints.py). A failure fails only the
+masks and logit biases apply to every row first (kiln/engine/constraints.py), then the request's
+repetition, presence and frequency penalties (kiln/engine/penalties.py). A failure fails only the
 request it belongs to: the result for that chunk is the exception.
 """
 
@@ -50,7 +51,11 @@ class StepSampler:
 
     def _verify(self, chunk: ScheduledChunk, rows: torch.Tensor) -> list[Sampled]:
         request, params = chunk.request, chunk.request.params
-        rows = constrain(rows, [None] * len(rows), [params.logit_bias] * len(rows))
+        shaped = constrain(rows, [None] * len(rows), [params.logit_bias] * len(rows))
+        if params.penalised:
+            shaped = writable(shaped, rows)
+            request.penalty_counts(rows.shape[-1], rows.device).apply_draft_(shaped, chunk.draft, params)
+        rows = shaped
         if request.matcher is not None:
             rows = mask_draft_rows(request.matcher, rows, chunk.draft)
         tokens = verify(rows, chunk.draft, params, self.sampler, request.request_id)
@@ -75,11 +80,33 @@ class StepSampler:
         return sampled
 
     def _sample_rows(self, logits: torch.Tensor, requests: list[Request]) -> list[Sampled]:
-        logits = constrain(logits, [r.matcher for r in requests], [r.params.logit_bias for r in requests])
+        shaped = constrain(logits, [r.matcher for r in requests], [r.params.logit_bias for r in requests])
+        if any(request.params.penalised for request in requests):
+            shaped = writable(shaped, logits)
+            penalise_rows(shaped, requests)
+        logits = shaped
         token_ids, logprobs = self.sampler.sample(logits, [r.params for r in requests], [r.request_id for r in requests])
         tops = top_logprobs(logits, [r.params.top_logprobs for r in requests])
         return [(token, logprobs[row] if logprobs and request.params.logprobs else None, tops[row])
                 for row, (token, request) in enumerate(zip(token_ids, requests, strict=True))]
+
+
+def writable(shaped: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """What penalties may change in place: `shaped` when constrain made new logits, else a copy of the
+    step's own `logits` (never changed: a failed batch is sampled again row by row). On the CPU the copy
+    is one NumPy pass in this thread, as constraints._blocked's and for its reason (a busy machine)."""
+    if shaped is not logits:
+        return shaped
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().copy())
+    return logits.clone()
+
+
+def penalise_rows(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Each penalised request's row of [B, vocab] `logits` penalised, in place."""
+    for row, request in enumerate(requests):
+        if request.params.penalised:
+            request.penalty_counts(logits.shape[-1], logits.device).apply_(logits[row], request.params)
 
 
 def mask_draft_rows(matcher: Matcher, rows: torch.Tensor, draft: list[int]) -> torch.Tensor:

@@ -15,7 +15,7 @@ stays resident (exact, just not bounded): K/V someone reads is never lost.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,7 +54,10 @@ class KVCache:
         self.format = kv_format
         self._fingerprint = kv_format.fingerprint()
         self.refcount = [0] * num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        # A stack, page 0 on top: a freed page is handed out again before any page never used, so the pool's
+        # memory is committed (PageStorage maps it lazily) only up to the most pages held at once.
+        self._free: list[int] = list(reversed(range(num_pages)))
+        self._high_water = 0  # pages below this have been handed out at least once (their memory is committed)
         self._page_of: dict[Key, int] = {}
         self._key_of: dict[int, Key] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages, least recently used first
@@ -76,6 +79,12 @@ class KVCache:
     def usage(self) -> PoolUsage:
         cached = len(self._lru)
         return PoolUsage(used=self.num_pages - len(self._free) - cached, cached=cached, free=len(self._free))
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of the pool that have held a page (the CPU pool's resident part): grows with the most pages
+        ever in use or cached at once, up to the budget."""
+        return self._high_water * self.page_bytes
 
     def available(self) -> int:
         """Pages an allocation could get right now (free plus evictable cached)."""
@@ -337,7 +346,8 @@ class KVCache:
 
     def _allocate(self) -> int:
         if self._free:
-            page = self._free.popleft()
+            page = self._free.pop()
+            self._high_water = max(self._high_water, page + 1)
         else:
             page, _ = self._lru.popitem(last=False)
             del self._page_of[self._key_of.pop(page)]

@@ -1,12 +1,19 @@
-"""PageStorage: the preallocated memory every KV page lives in, in its codec's format (kiln/kv/codec.py).
+"""PageStorage: the memory every KV page lives in, in its codec's format (kiln/kv/codec.py).
 
 Page p is one contiguous block of `codec.page_nbytes` bytes: all the K/V one KV group keeps for
 page_size positions, encoded. Contiguous per page so a page can be hashed, written to disk, moved to
 another tier or snapshotted as one piece of memory, without re-encoding. Models never see this tensor:
 they write and read through a KVStep (kiln/kv/step.py), which goes through the methods here.
+
+The pool is reserved whole (kv_budget_bytes) but committed as it is used: on the CPU its memory is an
+anonymous mapping, zero-filled by the OS and backed only once a page is first written, and KVCache hands
+out the lowest free page first, so the resident part is the high-water mark of pages used (and cached),
+not the budget (docs/architecture.md § Memory).
 """
 
 from __future__ import annotations
+
+import mmap
 
 import torch
 
@@ -25,7 +32,7 @@ class PageStorage:
         self.codec = codec
         self.layer_slots = layout.layer_slots()  # (group, slot) of each model layer, read by every step
         self.num_pages = num_pages
-        self.data = torch.zeros((num_pages, codec.page_nbytes), dtype=torch.uint8, device=device)
+        self.data = _zeroed_pool(num_pages, codec.page_nbytes, torch.device(device))
         # Views of each slot's K and V segments across the pool, built once: every layer of every step uses them.
         self._segments = [(codec.segment(self.data, 0, s), codec.segment(self.data, 1, s)) for s in range(layout.slots)]
         # New rows are stored (and encoded) by the C++ kernel where it runs: the same bytes as the codec's torch
@@ -69,3 +76,13 @@ class PageStorage:
         """K and V of one slot of pages `ids`, decoded into out (each [len(ids), page_size, kv_heads, head_dim])."""
         for segment, buffer in zip(self._segments[slot], out, strict=True):
             self.codec.load(segment, ids, buffer)
+
+
+def _zeroed_pool(num_pages: int, page_nbytes: int, device: torch.device) -> torch.Tensor:
+    """uint8 [num_pages, page_nbytes] of zeros. On the CPU, an anonymous mapping: the OS backs a page of it
+    with memory only when it is first written, so an unused tail of the pool costs address space, not RSS
+    (torch.zeros would write, and so commit, every byte at start)."""
+    if device.type != "cpu":
+        return torch.zeros((num_pages, page_nbytes), dtype=torch.uint8, device=device)
+    region = mmap.mmap(-1, num_pages * page_nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=torch.uint8).view(num_pages, page_nbytes)

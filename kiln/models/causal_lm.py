@@ -6,7 +6,7 @@ tensors; those modules list their sources in `hf_sources()`, so one loader serve
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 from torch import nn
@@ -14,8 +14,10 @@ from torch import nn
 from kiln.errors import InvalidArgumentError
 from kiln.kernels import kernels
 from kiln.models.config import ModelConfig
+from kiln.models.file_embedding import FileEmbedding, StoredRows
 from kiln.models.layers import Attention, GatedMLP, HFSource, RMSNorm
 from kiln.models.quant import QuantizedLinear
+from kiln.models.tensor_source import shapes_of
 
 
 class Decoder(nn.Module):
@@ -77,6 +79,33 @@ class CausalLM(nn.Module):
         self.lm_head = head
         self._head_t = None
 
+    def linear_parameters(self) -> set[str]:
+        """Names of the nn.Linear layers' parameters: what quantize_model replaces."""
+        return {
+            f"{name}.{local}"
+            for name, module in self.named_modules()
+            if isinstance(module, nn.Linear)
+            for local, _ in module.named_parameters()
+        }
+
+    def can_map_embeddings(self, table: StoredRows | None, head_quantised: bool) -> bool:
+        """Whether token embeddings may be looked up in `table` (kiln/models/file_embedding.py says why)
+        instead of a copy: the table then serves lookups only (the LM head is untied, or quantised into a
+        copy of its own), holds what the copy would (the same shape) and the model computes in float32 on
+        the CPU, where the rows are read."""
+        weight = self.model.embed_tokens.weight
+        return (
+            table is not None
+            and (self.lm_head is not None or head_quantised)
+            and (table.rows, table.cols) == tuple(weight.shape)
+            and weight.dtype == torch.float32
+            and weight.device.type == "cpu"
+        )
+
+    def map_embeddings(self, table: StoredRows) -> None:
+        """Look token embeddings up in `table` from now on (see can_map_embeddings)."""
+        self.model.embed_tokens = FileEmbedding(table)
+
     def use_kernels(self) -> None:
         """Compute norms (with their residual adds), q/k norms + RoPE and the MLP's gated activation with
         Kiln's fused CPU kernels (kernels/norms.cpp, activations.cpp) from now on: float32 on a CPU the
@@ -99,9 +128,11 @@ class CausalLM(nn.Module):
             cached = self._head_t = weight.T.contiguous()
         return cached
 
-    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors (any dtype; cast to the model's) into the parameters. Raises
-        InvalidArgumentError, before changing anything, on missing or unexpected names or wrong shapes."""
+    def load_weights(self, tensors: Mapping[str, torch.Tensor], skip: Collection[str] = ()) -> None:
+        """Copy HF-named tensors (any dtype; cast to the model's) into the parameters, but for the
+        parameters named in `skip` (filled otherwise: quantised from the tensors one by one, or looked up
+        in the file). Raises InvalidArgumentError, before changing anything, on missing or unexpected
+        names or wrong shapes."""
         plan = self._hf_plan()
         expected = {source.name for sources in plan.values() for source in sources}
         missing, unexpected = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
@@ -111,13 +142,21 @@ class CausalLM(nn.Module):
                 f"missing {_listing(missing)}; unexpected {_listing(unexpected)}"
             )
         params = dict(self.named_parameters())
+        shapes = shapes_of(tensors)
         for name, sources in plan.items():
-            _check_shapes(params[name], sources, tensors)
+            _check_shapes(params[name], sources, shapes)
+        self.load_parameters(tensors, [name for name in plan if name not in skip])
+
+    def load_parameters(self, tensors: Mapping[str, torch.Tensor], names: Collection[str]) -> None:
+        """Fill parameters `names` from the HF-named tensors that make them up (load_weights checked them),
+        reading each tensor once."""
+        plan = self._hf_plan()
+        params = dict(self.named_parameters())
         self._head_t = None  # the transposed LM head copy is rebuilt from the new weights
         with torch.no_grad():
-            for name, sources in plan.items():
+            for name in names:
                 row = 0
-                for source in sources:
+                for source in plan[name]:
                     params[name][row : row + source.rows].copy_(tensors[source.name])
                     row += source.rows
 
@@ -137,11 +176,11 @@ class CausalLM(nn.Module):
 
 
 def _check_shapes(
-    param: torch.Tensor, sources: tuple[HFSource, ...], tensors: Mapping[str, torch.Tensor]
+    param: torch.Tensor, sources: tuple[HFSource, ...], shapes: Mapping[str, tuple[int, ...]]
 ) -> None:
     for source in sources:
         expected = param.shape[1:] if source.broadcast else (source.rows, *param.shape[1:])
-        actual = tensors[source.name].shape
+        actual = shapes[source.name]
         if tuple(actual) != tuple(expected):
             raise InvalidArgumentError(
                 f"weight {source.name} has shape {tuple(actual)}, expected {tuple(expected)}"

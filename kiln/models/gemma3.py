@@ -52,8 +52,8 @@ class Gemma3(CausalLM):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight
-        hidden = self.model.embed_tokens(input_ids) * _embed_scale(self.config.hidden_size, weight.dtype)
+        hidden = self.model.embed_tokens(input_ids)
+        hidden = hidden * _embed_scale(self.config.hidden_size, hidden.dtype)
         tables = {kind: rotary(positions, hidden.dtype) for kind, rotary in self.rotary.items()}
         for block, kind in zip(self.model.layers, self.config.layer_types, strict=True):
             hidden = block(hidden, *tables[kind], batch)

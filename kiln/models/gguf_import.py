@@ -1,5 +1,6 @@
-"""GGUF -> Kiln: a llama.cpp model file as a ModelConfig, fp32 tensors under Hugging Face names, and its
-tokenizer.
+"""GGUF -> Kiln: a llama.cpp model file as a ModelConfig, its tokenizer, and its tensors under Hugging Face
+names: a table of where each lies (GGUFTensors, kept in the weight cache) and a TensorSource that reads
+one as fp32 when asked (dequantised and restored), the token embeddings also row by row.
 
 llama.cpp's converter changes some weights on the way in; each change is undone here so the tensors are
 what the transformers checkpoint held:
@@ -19,17 +20,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from kiln.errors import InvalidArgumentError
 from kiln.models.config import LayerType, ModelConfig, RopeScaling
+from kiln.models.file_embedding import StoredRows
 from kiln.models.hf_config import GEMMA3_LOCAL_ROPE_THETA
+from kiln.models.tensor_source import StoredTensor, TensorSource
 from kiln.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3")
@@ -55,6 +59,7 @@ _GEMMA3_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_EMBEDDINGS = "model.embed_tokens.weight"  # stored as the checkpoint held it: readable row by row
 _ROPE_FREQS = "rope_freqs.weight"  # folded into ModelConfig.rope_scaling, not a model tensor
 
 # llama.cpp: every 6th Gemma 3 layer is global; the 27B model (62 layers) scales scores by hidden / heads.
@@ -66,9 +71,10 @@ _LLAMA3_DEFAULT_BAND = (1.0, 4.0)  # low/high frequency factors of every Llama 3
 _LLAMA3_DIGITS = 3
 
 
-def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """Config, fp32 tensors under HF names, and tokenizer of a GGUF file. Raises InvalidArgumentError for
-    files that are not GGUF, are truncated or damaged, or describe an unsupported architecture."""
+def read_gguf(path: Path) -> tuple[ModelConfig, GGUFTensors, Tokenizer]:
+    """Config, where each tensor lies (under HF names) and tokenizer of a GGUF file; `gguf_tensor_source`
+    reads the tensors. Raises InvalidArgumentError for files that are not GGUF, are truncated or
+    damaged, or describe an unsupported architecture."""
     reader = _open(path)
     metadata = _metadata(reader)
     arch = metadata.get("general.architecture")
@@ -79,7 +85,51 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeniz
     tokenizer = Tokenizer.from_gguf(metadata)
     by_name = {tensor.name: tensor for tensor in reader.tensors}
     config = _config(metadata, arch, by_name, tokenizer)
-    return config, _convert_tensors(reader.tensors, arch, config), tokenizer
+    return config, _tensor_table(reader.tensors, arch), tokenizer
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """Where one tensor lies in a GGUF file: `n_bytes` bytes from `offset`, in GGML type `ggml_type`,
+    of torch shape `shape`."""
+
+    offset: int
+    n_bytes: int
+    ggml_type: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GGUFTensors:
+    """A GGUF file's tensors by HF name, and the llama.cpp architecture whose converter changes to undo
+    (see the module docstring). Plain data: the weight cache keeps it, so a later start reads tensors
+    without parsing the file's metadata again (seconds and hundreds of megabytes on a 262k vocabulary)."""
+
+    architecture: str
+    tensors: dict[str, GGUFTensor]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"architecture": self.architecture, "tensors": {name: asdict(t) for name, t in self.tensors.items()}}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> GGUFTensors:
+        tensors = {name: GGUFTensor(**{**t, "shape": tuple(t["shape"])}) for name, t in data["tensors"].items()}
+        return cls(data["architecture"], tensors)
+
+
+def gguf_tensor_source(path: Path, table: GGUFTensors, config: ModelConfig) -> TensorSource:
+    """The tensors of GGUF file `path` (whose table is `table`) as float32 under HF names, each
+    dequantised and restored when read. Matrices llama.cpp stores unchanged (the token embeddings) can
+    also be read row by row."""
+    stored = {}
+    for name, tensor in table.tensors.items():
+        read = partial(_read_tensor, path, name, tensor, table.architecture, config)
+        rows = None
+        if name == _EMBEDDINGS and len(tensor.shape) == 2:
+            decode = partial(_dequantize_rows, ggml_type=tensor.ggml_type)
+            rows = StoredRows(path, tensor.offset, tensor.shape[0], tensor.shape[1], tensor.n_bytes // tensor.shape[0], decode)
+        stored[name] = StoredTensor(tensor.shape, read, rows)
+    return TensorSource(stored)
 
 
 def read_metadata(path: Path) -> dict[str, Any]:
@@ -209,19 +259,28 @@ def _llama3_scaling(divisors: np.ndarray, head_dim: int, theta: float, original:
     return scaling
 
 
-def _convert_tensors(
-    tensors: Sequence[gguf.ReaderTensor], arch: str, config: ModelConfig
-) -> dict[str, torch.Tensor]:
+def _tensor_table(tensors: Sequence[gguf.ReaderTensor], arch: str) -> GGUFTensors:
     layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LLAMA_LAYER_NAMES
-    converted = {}
-    for tensor in tqdm(tensors, desc=f"converting {config.name or arch}", unit="tensor"):
+    table = {}
+    for tensor in tensors:
         if tensor.name == _ROPE_FREQS:
             continue
-        name = _hf_name(tensor.name, layer_names)
-        converted[name] = torch.from_numpy(
-            np.array(_restore(name, _dequantize(tensor), arch, config), np.float32)
+        shape = tuple(reversed(tensor.shape.tolist()))
+        table[_hf_name(tensor.name, layer_names)] = GGUFTensor(
+            int(tensor.data_offset), int(tensor.n_bytes), int(tensor.tensor_type), shape
         )
-    return converted
+    return GGUFTensors(arch, table)
+
+
+def _read_tensor(path: Path, name: str, tensor: GGUFTensor, arch: str, config: ModelConfig) -> torch.Tensor:
+    with path.open("rb") as file:
+        file.seek(tensor.offset)
+        raw = np.frombuffer(file.read(tensor.n_bytes), dtype=np.uint8)
+    if raw.size != tensor.n_bytes:
+        raise InvalidArgumentError(f"{path} is truncated: tensor {name} lies beyond its end")
+    rows = math.prod(tensor.shape[:-1])
+    values = _dequantize_rows(raw.reshape(rows, -1), tensor.ggml_type, name).reshape(tensor.shape)
+    return torch.from_numpy(np.array(_restore(name, values, arch, config), np.float32))
 
 
 def _hf_name(name: str, layer_names: Mapping[str, str]) -> str:
@@ -236,13 +295,20 @@ def _hf_name(name: str, layer_names: Mapping[str, str]) -> str:
 
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     """float32 values in torch order."""
+    values = _dequantize_rows(tensor.data, int(tensor.tensor_type), tensor.name)
+    return values.reshape(tuple(reversed(tensor.shape.tolist())))
+
+
+def _dequantize_rows(raw: np.ndarray, ggml_type: int, name: str = "") -> np.ndarray:
+    """float32 rows of GGML type `ggml_type` stored in `raw` ([rows, bytes per row]): each row decodes on
+    its own, so a few rows decode to what the whole tensor would hold there."""
+    qtype = gguf.GGMLQuantizationType(ggml_type)
     try:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        return gguf.quants.dequantize(raw, qtype)
     except NotImplementedError as error:
         raise InvalidArgumentError(
-            f"GGUF tensor {tensor.name} has type {tensor.tensor_type.name}, which cannot be dequantised"
+            f"GGUF tensor {name} has type {qtype.name}, which cannot be dequantised"
         ) from error
-    return values.reshape(tuple(reversed(tensor.shape.tolist())))
 
 
 def _restore(name: str, weight: np.ndarray, arch: str, config: ModelConfig) -> np.ndarray:

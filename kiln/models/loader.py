@@ -1,26 +1,29 @@
 """load_model: any model source -> config, fp32 tensors under Hugging Face names, tokenizer, fingerprint.
 
 Sources: None (the embedded Gemma 3 270M), an HF-style directory (config.json, *.safetensors, possibly
-sharded, tokenizer.json), or a GGUF file. GGUF files are converted once and then read from the
-converted-weight cache (see weight_cache). Every path returns exactly the tensors the model definition
-expects, with shapes checked against the config, so a bad source fails here with a clear message.
+sharded, tokenizer.json), or a GGUF file. A GGUF file's description (config, tokenizer, where each tensor
+lies) is read once and then from the converted-weight cache (see weight_cache). Every path returns
+exactly the tensors the model definition expects, with shapes checked against the config, so a bad
+source fails here with a clear message. The tensors are a TensorSource: read from their files when the
+engine builds its model, never all held at once (kiln/models/tensor_source.py says why).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from kiln.errors import InvalidArgumentError
 from kiln.models import weight_cache
 from kiln.models.config import ModelConfig
-from kiln.models.gguf_import import read_gguf
+from kiln.models.file_embedding import StoredRows
+from kiln.models.gguf_import import gguf_tensor_source, read_gguf
 from kiln.models.hf_config import config_from_hf
+from kiln.models.tensor_source import TensorSource, safetensors_source, shapes_of
 from kiln.tokenizer import Tokenizer
 
 # Files of an HF directory whose bytes decide the model's behaviour, besides the weights.
@@ -43,15 +46,29 @@ _TEXT_MODEL_PREFIXES = {
 @dataclass
 class LoadedModel:
     """A model ready to build: `tensors` are float32 under HF parameter names (exactly the ones the
-    config implies); `fingerprint` is the SHA-256 hex of the source's content and the converter version,
-    stable across machines, and keys KV caches and snapshots."""
+    config implies; a TensorSource reads each when asked); `fingerprint` is the SHA-256 hex of the
+    source's content and the converter version, stable across machines, and keys KV caches and
+    snapshots."""
 
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor]
     tokenizer: Tokenizer
     source: Path
     fingerprint: str
     cache_entry: Path | None = None  # where artifacts derived from these weights may be kept (quantised copies)
+
+    def stored_rows(self, name: str) -> StoredRows | None:
+        """Where matrix `name` lies row by row in its file, when it does (kiln/models/file_embedding.py)."""
+        return self.tensors.rows(name) if isinstance(self.tensors, TensorSource) else None
+
+    def keep_converted(self) -> None:
+        """Keep the float32 conversion of a GGUF source in its cache entry, for a configuration that
+        computes with the weights as they are: later starts then read it instead of dequantising every
+        tensor again. Other sources (and a conversion already kept) are left as they are."""
+        if self.cache_entry is None or not self.source.is_file() or weight_cache.has_weights(self.cache_entry):
+            return
+        weight_cache.write_weights(self.cache_entry, self.tensors)
+        self.tensors = weight_cache.read_weights(self.cache_entry)
 
 
 def load_model(source: str | Path | None = None, cache_dir: Path | None = None) -> LoadedModel:
@@ -74,17 +91,19 @@ def load_model(source: str | Path | None = None, cache_dir: Path | None = None) 
 
 
 def _load_gguf(path: Path, cache: Path) -> LoadedModel:
-    """Read the cache entry for this file's content, converting and caching it first if there is none."""
+    """Read the cache entry for this file's content, describing the file into it first if there is none.
+    Tensors come from the entry's float32 conversion where a configuration kept one, else from the file."""
     # A one-file source: its content, not its name, identifies it.
     key = weight_cache.fingerprint({"model.gguf": weight_cache.file_sha256(path, cache)})
     entry = cache / key
     if entry.is_dir():
-        config, tensors, tokenizer = weight_cache.read_entry(entry)
+        config, table, tokenizer = weight_cache.read_entry(entry)
     else:
-        config, tensors, tokenizer = read_gguf(path)
-        tensors = _checked(tensors, config, path)
-        weight_cache.write_entry(cache, key, config, tensors, tokenizer)
-    return LoadedModel(config, tensors, tokenizer, path, key, entry)
+        config, table, tokenizer = read_gguf(path)
+        _checked(gguf_tensor_source(path, table, config), config, path)  # refused before it is cached
+        weight_cache.write_entry(cache, key, config, table, tokenizer)
+    tensors = weight_cache.read_weights(entry) if weight_cache.has_weights(entry) else gguf_tensor_source(path, table, config)
+    return LoadedModel(config, _checked(tensors, config, path), tokenizer, path, key, entry)
 
 
 def _load_hf_dir(path: Path, cache: Path) -> LoadedModel:
@@ -98,15 +117,13 @@ def _load_hf_dir(path: Path, cache: Path) -> LoadedModel:
         raise InvalidArgumentError(f"{config_file} is not valid JSON: {error}") from error
     config = config_from_hf(raw_config)
     shards = _shards(path)
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        tensors.update(_read_safetensors(shard))
+    tensors = safetensors_source(shards).renamed(_text_model_name)
     described = [path / name for name in (*_HF_DESCRIPTION_FILES, _SHARD_INDEX) if (path / name).is_file()]
     hashes = {file.name: weight_cache.file_sha256(file, cache) for file in [*described, *shards]}
     key = weight_cache.fingerprint(hashes)
     return LoadedModel(
         config,
-        _checked(_text_model_tensors(tensors), config, path),
+        _checked(tensors, config, path),
         Tokenizer.from_hf_dir(path),
         path,
         key,
@@ -133,38 +150,26 @@ def _shards(path: Path) -> list[Path]:
     return shards
 
 
-def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    try:
-        return {name: tensor.float() for name, tensor in load_file(file).items()}
-    except (SafetensorError, OSError) as error:
-        raise InvalidArgumentError(f"{file} is not a readable safetensors file: {error}") from error
+def _text_model_name(name: str) -> str:
+    """A multimodal checkpoint's text-model tensor name as a text-only model names it."""
+    prefix = next((p for p in _TEXT_MODEL_PREFIXES if name.startswith(p)), None)
+    return name if prefix is None else _TEXT_MODEL_PREFIXES[prefix] + name[len(prefix) :]
 
 
-def _text_model_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename a multimodal checkpoint's text-model tensors to a text-only model's names."""
-    renamed = {}
-    for name, tensor in tensors.items():
-        prefix = next((p for p in _TEXT_MODEL_PREFIXES if name.startswith(p)), None)
-        renamed[name if prefix is None else _TEXT_MODEL_PREFIXES[prefix] + name[len(prefix) :]] = tensor
-    return renamed
-
-
-def _checked(tensors: dict[str, torch.Tensor], config: ModelConfig, source: Path) -> dict[str, torch.Tensor]:
-    """Exactly the tensors `config` implies, each of the implied shape. Extra tensors (a tied lm_head
-    saved anyway, a vision tower, rotary buffers) are dropped; missing or misshapen ones are an error."""
+def _checked(tensors: TensorSource, config: ModelConfig, source: Path) -> TensorSource:
+    """Exactly the tensors `config` implies, each of the implied shape (checked without reading them).
+    Extra tensors (a tied lm_head saved anyway, a vision tower, rotary buffers) are dropped; missing or
+    misshapen ones are an error."""
+    shapes = shapes_of(tensors)
     expected = _expected_shapes(config)
-    missing = sorted(set(expected) - tensors.keys())
+    missing = sorted(set(expected) - shapes.keys())
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise InvalidArgumentError(f"{source} lacks tensors the config requires: {shown}")
-    wrong = [
-        f"{name} {tuple(tensors[name].shape)} != {shape}"
-        for name, shape in expected.items()
-        if tuple(tensors[name].shape) != shape
-    ]
+    wrong = [f"{name} {tuple(shapes[name])} != {shape}" for name, shape in expected.items() if tuple(shapes[name]) != shape]
     if wrong:
         raise InvalidArgumentError(f"{source} has tensors of the wrong shape: {'; '.join(wrong[:5])}")
-    return {name: tensors[name] for name in expected}
+    return tensors.only(expected)
 
 
 def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -22,18 +22,18 @@ converted weights (see weight_cache) so later starts read it back.
 
 from __future__ import annotations
 
-import os
-import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from kiln.errors import InvalidArgumentError
 from kiln.kernels import kernels
+from kiln.models.weight_cache import save_atomically
 
 if TYPE_CHECKING:
     from kiln.models.causal_lm import CausalLM
@@ -44,6 +44,7 @@ KERNEL_FORMATS = ("float32", *QUANTIZATIONS)
 INT8_MAX_FEATURES = (2**31 - 1) // (127 * 127)
 QUANT_VERSION = 2  # bump when the stored quantised format changes (2: packed blocks of 8 rows)
 PACK_ROWS = 8  # output rows per packed block (kernels/linear.cpp, kBlock)
+_QUANTIZE_ROWS = 4096
 
 
 class QuantizedLinear(nn.Module):
@@ -87,9 +88,15 @@ class QuantizedLinear(nn.Module):
         bias = None if bias is None else bias.detach().contiguous()
         if fmt == "float32":
             return cls(fmt, pack(weight), None, bias, weight.shape[0])
-        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
-        q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(fmt, pack(q), scale.contiguous(), bias, weight.shape[0])
+        scale = torch.empty(weight.shape[0])
+        q = torch.empty(weight.shape, dtype=torch.int8)
+        # Row blocks: each row's scale and codes depend on that row alone, and the float32 temporaries stay a
+        # block's size (a whole vocabulary matrix would need several copies of itself at once).
+        for start in range(0, weight.shape[0], _QUANTIZE_ROWS):
+            rows = weight[start : start + _QUANTIZE_ROWS]
+            scale[start : start + len(rows)] = rows.abs().amax(dim=1).clamp(min=1e-12) / 127
+            q[start : start + len(rows)] = torch.round(rows / scale[start : start + len(rows), None]).clamp(-127, 127)
+        return cls(fmt, pack(q), scale, bias, weight.shape[0])
 
     def dequantized(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 [N, K] matrix the stored weights stand for, written to `out` when given."""
@@ -109,12 +116,21 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
 
 
-def quantize_model(model: CausalLM, fmt: str | None, batch_invariant: bool = False, cache_file: Path | None = None) -> CausalLM:
+def quantize_model(
+    model: CausalLM,
+    fmt: str | None,
+    batch_invariant: bool = False,
+    cache_file: Path | None = None,
+    tensors: Mapping[str, torch.Tensor] | None = None,
+) -> CausalLM:
     """Swap every nn.Linear (fused qkv, o, fused gate/up, down, an untied head) for a QuantizedLinear in
     `fmt` and give the model a quantised LM head, in place; returns the model. A tied embedding table
     stays float32 for lookups. fmt None keeps float32 weights: unchanged unless `batch_invariant`, which
     routes them through the kernel. `cache_file` holds the quantised tensors: read when it exists,
-    written (atomically) when not. Call after load_weights."""
+    written (atomically) when not. Call after load_weights; with `tensors` (the HF-named weights), the
+    layers' float32 parameters may be left unfilled by it (CausalLM.linear_parameters): each is read
+    from `tensors` only when it has to be quantised, and dropped at once, so at most one float32 matrix
+    is resident at a time, and none when the cache file has them all."""
     if fmt is None and not batch_invariant:
         return model
     fmt = fmt or "float32"
@@ -122,25 +138,35 @@ def quantize_model(model: CausalLM, fmt: str | None, batch_invariant: bool = Fal
         raise InvalidArgumentError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {fmt!r}")
     kernels()  # build (or load) the kernels now, not inside the first request
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    head_name = "lm_head" if model.lm_head is not None else "tied_lm_head"
-    sources = {**linears, head_name: model.head_weight}
     stored = load_file(cache_file) if cache_file is not None and fmt != "float32" and cache_file.exists() else None
     built: dict[str, QuantizedLinear] = {}
-    for name, source in sources.items():
-        weight, bias = (source.weight, source.bias) if isinstance(source, nn.Linear) else (source, None)
-        if stored is not None and f"{name}.weight" in stored:
-            scale = stored[f"{name}.scale"]
-            built[name] = QuantizedLinear(fmt, stored[f"{name}.weight"], scale, stored.get(f"{name}.bias"), scale.numel())
-        else:
-            built[name] = QuantizedLinear.quantize(weight, bias, fmt)
+    for name, linear in linears.items():
+        built[name] = _stored_layer(stored, name, fmt) or _quantized_layer(model, name, linear, fmt, tensors)
+        if name != "lm_head":  # an untied head is swapped by use_head below
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, built[name])
+    head_name = "lm_head" if model.lm_head is not None else "tied_lm_head"
+    if head_name not in built:
+        built[head_name] = _stored_layer(stored, head_name, fmt) or QuantizedLinear.quantize(model.head_weight, None, fmt)
     if cache_file is not None and fmt != "float32" and stored is None:
-        _save(cache_file, {f"{name}.{key}": t for name, m in built.items() for key, t in m.state_dict().items()})
-    head = built.pop(head_name)
-    for name, layer in built.items():
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, layer)
-    model.use_head(head)
+        save_atomically(cache_file, {f"{name}.{key}": t for name, m in built.items() for key, t in m.state_dict().items()})
+    model.use_head(built[head_name])
     return model
+
+
+def _stored_layer(stored: Mapping[str, torch.Tensor] | None, name: str, fmt: str) -> QuantizedLinear | None:
+    if stored is None or f"{name}.weight" not in stored:
+        return None
+    scale = stored[f"{name}.scale"]
+    return QuantizedLinear(fmt, stored[f"{name}.weight"], scale, stored.get(f"{name}.bias"), scale.numel())
+
+
+def _quantized_layer(
+    model: CausalLM, name: str, linear: nn.Linear, fmt: str, tensors: Mapping[str, torch.Tensor] | None
+) -> QuantizedLinear:
+    if tensors is not None:
+        model.load_parameters(tensors, [f"{name}.{local}" for local, _ in linear.named_parameters()])
+    return QuantizedLinear.quantize(linear.weight, linear.bias, fmt)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -150,19 +176,6 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     padded = F.pad(weight, (0, 0, 0, -n % PACK_ROWS))
     return padded.view(-1, PACK_ROWS, k // 8, 8).permute(0, 2, 1, 3).contiguous()
-
-
-def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write-then-rename, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-quant-")
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def quantized_file(entry: Path, fmt: str) -> Path:

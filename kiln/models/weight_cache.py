@@ -1,19 +1,27 @@
 """The converted-weight cache and content fingerprints of model sources.
 
-Converting a quantised GGUF to fp32 takes tens of seconds; reading the result back from safetensors takes
-a second or two. An entry is keyed by the source's fingerprint, so an edited or replaced file misses the
-cache instead of loading stale weights.
+Parsing a GGUF file's metadata takes seconds (its vocabulary), and converting its quantised tensors to
+fp32 tens of seconds, so an entry keeps what a start needs to skip both: the description (config,
+tokenizer, where each tensor lies in the file), written once, and what the configurations that ran
+compute with, each written the first time one needs it: the fp32 conversion for exact weights
+(LoadedModel.keep_converted), the quantised copy for int8 (kiln/models/quant.py). A default (int8)
+server's entry so holds the 270 MB int8 copy and no fp32 weights; token embeddings are read from the
+GGUF file itself. An entry is keyed by the source's fingerprint, so an edited or replaced file misses the
+cache instead of loading stale weights. Deleting the directory (or one entry) is always safe: it is
+rebuilt on the next start.
 
-Layout of a cache directory:
+Layout of a cache directory ($KILN_CACHE_DIR, default ~/.cache/kiln):
 
     fingerprints.json            file SHA-256s memoised by (path, size, mtime_ns): a later start stats the
                                  source instead of re-hashing hundreds of megabytes
-    <fingerprint>/               one converted model, renamed into place whole (never half-written)
-        model.safetensors        fp32 tensors under Hugging Face parameter names
+    <fingerprint>/               one model, its description renamed into place whole (never half-written)
         config.json              the ModelConfig
+        gguf_tensors.json        where each tensor lies in the GGUF file (GGUFTensors)
         tokenizer.json           the tokenizer backend
         tokenizer_kiln.json      BOS/EOS ids and chat template
-    .tmp-<key prefix>-<pid>-*    an entry being written; one left by a dead process is removed
+        model.safetensors        fp32 tensors under Hugging Face parameter names (exact weights only)
+        quantized-int8-v2.safetensors   the int8 copy (int8 weights only)
+    .tmp-*                       a file or entry being written; one left by a dead process is removed
 """
 
 from __future__ import annotations
@@ -28,10 +36,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from kiln.errors import InvalidArgumentError
 from kiln.models.config import ModelConfig, RopeScaling
+from kiln.models.gguf_import import GGUFTensors
+from kiln.models.tensor_source import TensorSource, safetensors_source
 from kiln.tokenizer import Tokenizer
 
 # Bump whenever conversion output changes for the same source bytes: it is part of every fingerprint.
@@ -40,6 +50,7 @@ CONVERTER_VERSION = 1
 _MEMO_FILE = "fingerprints.json"
 _WEIGHTS_FILE = "model.safetensors"
 _CONFIG_FILE = "config.json"
+_TENSORS_FILE = "gguf_tensors.json"
 _TMP_PREFIX = ".tmp-"
 _BLOCK = 1 << 20
 
@@ -79,29 +90,32 @@ def read_description(entry: Path) -> tuple[ModelConfig, Tokenizer]:
     return _config_from_json(json.loads((entry / _CONFIG_FILE).read_text())), Tokenizer.load(entry)
 
 
-def read_entry(entry: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    """(config, tensors, tokenizer) of a complete cache entry."""
+def read_entry(entry: Path) -> tuple[ModelConfig, GGUFTensors | None, Tokenizer]:
+    """(config, tensor table, tokenizer) of a complete cache entry. The table is None in an entry an
+    earlier Kiln wrote (it always kept the fp32 conversion instead)."""
     try:
         config, tokenizer = read_description(entry)
-        return config, load_file(entry / _WEIGHTS_FILE), tokenizer
+        tables = entry / _TENSORS_FILE
+        table = GGUFTensors.from_json(json.loads(tables.read_text())) if tables.is_file() else None
+        if table is None and not has_weights(entry):
+            raise FileNotFoundError(f"neither {_TENSORS_FILE} nor {_WEIGHTS_FILE}")
+        return config, table, tokenizer
     except Exception as error:  # any unreadable part means the entry was damaged outside Kiln
         raise InvalidArgumentError(
             f"converted-weight cache entry {entry} is unreadable ({error}); delete it to reconvert"
         ) from error
 
 
-def write_entry(
-    cache_dir: Path, key: str, config: ModelConfig, tensors: Mapping[str, torch.Tensor], tokenizer: Tokenizer
-) -> Path:
-    """Write an entry into a temporary directory and rename it into place, so a killed conversion leaves
-    no entry at all. If another process finished the same entry first, its copy is kept."""
+def write_entry(cache_dir: Path, key: str, config: ModelConfig, table: GGUFTensors, tokenizer: Tokenizer) -> Path:
+    """Write an entry's description into a temporary directory and rename it into place, so a killed
+    start leaves no entry at all. If another process finished the same entry first, its copy is kept."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     _remove_abandoned(cache_dir)
     final = cache_dir / key
     staging = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{key[:16]}-{os.getpid()}-", dir=cache_dir))
     try:
-        save_file({name: t.contiguous() for name, t in tensors.items()}, staging / _WEIGHTS_FILE)
         (staging / _CONFIG_FILE).write_text(json.dumps(asdict(config), indent=1))
+        (staging / _TENSORS_FILE).write_text(json.dumps(table.to_json()))
         tokenizer.save(staging)
         staging.chmod(0o755)  # mkdtemp makes it private; entries are as shareable as the cache directory
         os.rename(staging, final)
@@ -111,6 +125,35 @@ def write_entry(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+def has_weights(entry: Path) -> bool:
+    """Whether the entry keeps the fp32 conversion."""
+    return (entry / _WEIGHTS_FILE).is_file()
+
+
+def read_weights(entry: Path) -> TensorSource:
+    """The entry's fp32 conversion."""
+    return safetensors_source([entry / _WEIGHTS_FILE])
+
+
+def write_weights(entry: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Keep `tensors` as the entry's fp32 conversion, written whole then renamed into place."""
+    save_atomically(entry / _WEIGHTS_FILE, {name: tensor.contiguous() for name, tensor in tensors.items()})
+
+
+def save_atomically(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write a safetensors file under a temporary name, then rename it: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f"{_TMP_PREFIX}{os.getpid()}-")
+    os.close(fd)
+    try:
+        save_file(dict(tensors), temporary)
+        os.chmod(temporary, 0o644)  # mkstemp makes it private; cache files are as shareable as the directory
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 def _config_from_json(data: dict) -> ModelConfig:

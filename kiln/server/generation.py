@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from fastapi import Request
@@ -51,8 +51,11 @@ class Output:
     result: GenerationResult
 
 
-async def deltas(stream: AsyncGenerationStream, tokenizer: Tokenizer, stop: Sequence[str]) -> AsyncIterator[Delta]:
+async def deltas(stream: AsyncGenerationStream, tokenizer: Tokenizer, stop: Sequence[str],
+                 ended: Callable[[], bool] | None = None) -> AsyncIterator[Delta]:
     """One delta per generated token, then a final one; the deltas' text concatenates to the reply.
+    `ended()`, asked once each delta was taken, may end the reply early: the generation is cancelled
+    there and finishes as "stop" (the reply is complete without the rest, e.g. a repeated tool call).
     Engine errors propagate as their typed exception."""
     decoder = TextDeltas(tokenizer.decode, stop)
     position = 0
@@ -60,6 +63,10 @@ async def deltas(stream: AsyncGenerationStream, tokenizer: Tokenizer, stop: Sequ
         logprob, top = stream.logprobs_from(position), stream.top_logprobs_from(position)
         position += 1
         yield Delta(decoder.push([token_id]), token_id, logprob[0] if logprob else None, top[0] if top else None)
+        if ended is not None and ended():
+            stream.cancel()
+            yield Delta("", result=replace(await stream.result(), finish_reason="stop", stop_string=None))
+            return
     result = await stream.result()
     if result.finish_reason == "cancelled":
         raise CancelledError("the generation was cancelled")

@@ -36,12 +36,12 @@ UNMATCHED_ROUTE = "http/unmatched"  # one label for every unknown path keeps the
 
 def build_http_app(service: RuntimeService, keys: ApiKeys, metrics: Metrics,
                    max_request_bytes: int = MAX_REQUEST_BYTES, guard: HttpGuard | None = None,
-                   access: AccessLog | None = None) -> FastAPI:
+                   access: AccessLog | None = None, chat_format: str = "auto") -> FastAPI:
     app = FastAPI(title="Kiln", docs_url=None, redoc_url=None, openapi_url="/openapi.json", redirect_slashes=False,
                   generate_unique_id_function=lambda route: route.name)  # operation ids: the handlers' names
     app.openapi = functools.partial(openapi_document, app)  # type: ignore[method-assign]
     install_error_handlers(app)
-    routers = [OpenAIRoutes(service).router(), SessionRoutes(service).router(), _operations(service, metrics)]
+    routers = [OpenAIRoutes(service, chat_format).router(), SessionRoutes(service).router(), _operations(service, metrics)]
     for router in routers:
         app.include_router(router)
     app.add_middleware(AuthMiddleware, keys=keys)

@@ -3,9 +3,9 @@
 Every body is strict (no string-to-number coercion) and forbids unknown fields, so a typo or an
 unsupported OpenAI feature is a clear 400 naming the field, never silently ignored. OpenAI fields that
 real clients send are accepted when Kiln honours them; fields that only describe the caller (`user`,
-`store`, `metadata`, `service_tier`) are accepted and ignored; penalties are accepted only at their
-neutral value 0. Range checks of sampling values live in RuntimeService/SamplingParams, the one place
-every transport shares; the OpenAPI document (kiln/server/openapi.py) states the same ranges as
+`store`, `metadata`, `service_tier`) are accepted and ignored. Range checks of sampling values live in
+RuntimeService/SamplingParams, the one place every transport shares (except OpenAI's narrower
+temperature range, checked on its bodies); the OpenAPI document (kiln/server/openapi.py) states the same ranges as
 `json_schema_extra`, documentation only, so a generated client knows them.
 """
 
@@ -27,13 +27,23 @@ from pydantic import (
 
 from kiln.chat import OPENAI_ROLES
 from kiln.engine.constraints import Constraint
-from kiln.engine.sampler import INT32_MAX, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS, SEED_RANGE
+from kiln.engine.sampler import (
+    INT32_MAX,
+    MAX_OPENAI_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_LENGTH,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    SEED_RANGE,
+)
 from kiln.kv.policy import POLICIES
 from kiln.server.service import GenerateRequest
 from kiln.sessions import MAX_TTL_S, MIN_TTL_S
 
 MAX_PROMPTS = 32  # prompts in one /v1/completions request
 MAX_CHOICES = 16  # `n`: choices per prompt
+MAX_OPENAI_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; Kiln's own APIs allow up to 100
+OPENAI_PENALTY = {"minimum": -MAX_OPENAI_PENALTY, "maximum": MAX_OPENAI_PENALTY}
 
 TokenIds = Annotated[list[int], WithJsonSchema({"type": "array", "items": {"type": "integer", "minimum": 0}})]
 NUMBER_IDS = {"propertyNames": {"pattern": "^[0-9]+$"}}  # an object keyed by token ids
@@ -57,6 +67,11 @@ class GenerateBody(Body):
     temperature: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 100})
     top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     top_k: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": INT32_MAX})  # Kiln extension (as in vLLM)
+    min_p: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 1})  # Kiln extension (as in vLLM)
+    repetition_penalty: float | None = Field(None, json_schema_extra={  # Kiln extension (as in vLLM)
+        "exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY})
+    presence_penalty: float | None = Field(None, json_schema_extra=OPENAI_PENALTY)
+    frequency_penalty: float | None = Field(None, json_schema_extra=OPENAI_PENALTY)
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: str | list[str] | None = Field(None, json_schema_extra=STOP_STRINGS)
     stop_token_ids: TokenIds = []  # Kiln extension (as in vLLM)
@@ -68,6 +83,10 @@ class GenerateBody(Body):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
             seed=self.seed,
             stop=self.stop_strings,
             stop_token_ids=tuple(self.stop_token_ids),
@@ -148,8 +167,7 @@ class OpenAIBody(GenerateBody):
     model: str | None = None  # None = the served model; another name is NOT_FOUND
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, json_schema_extra={"const": 0})
-    frequency_penalty: float = Field(0.0, json_schema_extra={"const": 0})
+    temperature: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": MAX_OPENAI_TEMPERATURE})
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={  # token id -> value added to its logit
         **NUMBER_IDS, "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})
     response_format: ResponseFormat | None = None
@@ -179,12 +197,12 @@ class OpenAIBody(GenerateBody):
             return Constraint.json_schema(form.json_schema.schema_, "response_format.json_schema.schema")
         return None
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("temperature")
     @classmethod
-    def _no_penalty(cls, penalty: float) -> float:
-        if penalty != 0:
-            raise ValueError("repetition penalties are not supported; send 0 or leave it out")
-        return penalty
+    def _openai_temperature(cls, temperature: float | None) -> float | None:
+        if temperature is not None and temperature > MAX_OPENAI_TEMPERATURE:
+            raise ValueError(f"must be at most {MAX_OPENAI_TEMPERATURE:g} (OpenAI's range), got {temperature:g}")
+        return temperature
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> OpenAIBody:

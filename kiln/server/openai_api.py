@@ -4,7 +4,8 @@ Every request is stateless (`RuntimeService.complete_choices`): it shares cached
 earlier request of the same prefix, so a chat client that resends the conversation each turn recomputes
 only from the first page that differs. `usage.prompt_tokens_details.cached_tokens` says how many prompt
 tokens came from that cache. Unset sampling options take the server's defaults (greedy decoding,
-RuntimeService.DEFAULT_MAX_TOKENS), not OpenAI's. `model` may name the served model or one of its
+RuntimeService.DEFAULT_MAX_TOKENS, or the chat format's), not OpenAI's. Chat is written in the server's
+chat format (kiln/chat.py, `--chat-format`): a base model's transcript adds its stop rule to every reply. `model` may name the served model or one of its
 aliases, be "kiln", or be left out; any other name is 404 `model_not_found`.
 
 Beyond plain text:
@@ -16,8 +17,10 @@ Beyond plain text:
 - `response_format` (`json_object`, `json_schema`) and tool calls are enforced by grammar-constrained
   decoding (kiln/engine/constraints.py); tools, tool_choice and parallel_tool_calls follow the rules
   of kiln/tools.py, and a reply that is a call comes back as `tool_calls` with finish_reason
-  `tool_calls` (streamed as tool-call deltas). A reply cut by max_tokens ends with finish_reason
-  `length` and whatever it had: for a call, arguments that are not yet complete JSON.
+  `tool_calls` (streamed as tool-call deltas). A call identical to an earlier one of the same reply
+  ends the reply before it (the generation is cancelled there; finish_reason `tool_calls`). A reply
+  cut by max_tokens ends with finish_reason `length` and whatever it had, never call markup as
+  content: the calls written so far, the last one's arguments possibly not yet complete JSON.
 """
 
 from __future__ import annotations
@@ -28,18 +31,19 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from kiln.chat import from_openai_messages, tokens_for_chat
-from kiln.engine.constraints import Constraint, closed
+from kiln.chat import TEMPLATE, ChatFormat, chat_format, from_openai_messages, tokens_for_chat
+from kiln.engine.constraints import ANY_OBJECT, Constraint, as_generated
+from kiln.engine.sampler import MAX_STOP_STRINGS
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError
-from kiln.results import Usage
-from kiln.server.generation import Delta, Output, SseResponse, collect, deltas, start_all, unless_disconnected
+from kiln.results import GenerationResult, Usage
+from kiln.server.generation import Delta, SseResponse, deltas, start_all, unless_disconnected
 from kiln.server.http_auth import caller
 from kiln.server.http_errors import ModelNotFoundError
 from kiln.server.http_models import ChatBody, CompletionBody, NamedToolChoice, OpenAIBody
@@ -70,6 +74,7 @@ class _ChoiceText:
     chat: bool
     parser: ToolCallParser | None = None  # chat with callable tools
     prefix: str = ""  # echo: the prompt, before the first piece
+    lead: str = ""  # what the chat format puts before every reply (a transcript's space): not content
     call_ids: list[str] = field(default_factory=list)
 
     def push(self, text: str) -> list[dict]:
@@ -79,15 +84,23 @@ class _ChoiceText:
             return [self._text(text)] if text else []
         return [self._piece(delta) for delta in self.parser.push(text)]
 
-    def finish(self) -> list[dict]:
+    def finish(self, reason: str) -> list[dict]:
+        """The pieces held back until the generation ended for `reason`."""
         pieces = self.push("")
-        return pieces + ([self._piece(delta) for delta in self.parser.finish()] if self.parser else [])
+        return pieces + ([self._piece(delta) for delta in self.parser.finish(reason == "stop")] if self.parser else [])
+
+    def ended(self) -> bool:
+        """The reply is over before the generation is: the model repeated a tool call."""
+        return self.parser is not None and self.parser.repeated
 
     def finish_reason(self, reason: str) -> str:
         return "tool_calls" if reason == "stop" and self.call_ids else reason
 
     def _text(self, text: str) -> dict:
-        return {"content": text} if self.chat else {"text": text}
+        if not self.chat:
+            return {"text": text}
+        text, self.lead = text.removeprefix(self.lead), ""
+        return {"content": text}
 
     def _piece(self, delta: ContentDelta | CallStart | ArgumentsDelta) -> dict:
         if isinstance(delta, ContentDelta):
@@ -180,6 +193,16 @@ class _Plan:
     constraint: Constraint | None = None
     calls: bool = False  # the reply may be tool calls
     echoes: list[str] | None = None  # completions with echo: each prompt's text
+    form: ChatFormat = TEMPLATE  # chat: the format's stop strings, default reply limit and lead end every reply
+
+
+@dataclass(frozen=True)
+class _Finished:
+    """One choice of a whole reply: its pieces (as a stream would send them) and how it ended."""
+
+    pieces: list[dict]
+    finish_reason: str
+    result: GenerationResult
 
 
 @dataclass(frozen=True)
@@ -200,18 +223,17 @@ class _Reply:
 
     def text(self, index: int) -> _ChoiceText:
         echo = self.plan.echoes[index // self.n] if self.plan.echoes else ""
-        return _ChoiceText(self.shape.chat, ToolCallParser() if self.plan.calls else None, echo)
+        lead = " " if self.plan.form.transcript else ""
+        return _ChoiceText(self.shape.chat, ToolCallParser() if self.plan.calls else None, echo, lead)
 
-    def body(self, outputs: Sequence[Output]) -> dict:
+    def body(self, finished: Sequence[_Finished]) -> dict:
         choices = []
-        for index, output in enumerate(outputs):
-            text = self.text(index)
-            pieces = text.push(output.text) + text.finish()
-            result = output.result
+        for index, choice in enumerate(finished):
+            result = choice.result
             logprobs = self.logprobs_json(result.token_ids, result.logprobs or [], result.top_logprobs, 0)
-            choices.append(self.shape.choice(index, _merged(pieces, self.shape.chat),
-                                             text.finish_reason(result.finish_reason), logprobs))
-        usages = [output.result.usage for output in outputs]
+            choices.append(self.shape.choice(index, _merged(choice.pieces, self.shape.chat), choice.finish_reason,
+                                             logprobs))
+        usages = [choice.result.usage for choice in finished]
         return {"id": self.response_id, "object": self.shape.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage_json(usages)}
 
@@ -241,9 +263,10 @@ class _Reply:
 
 
 class OpenAIRoutes:
-    def __init__(self, service: RuntimeService) -> None:
+    def __init__(self, service: RuntimeService, chat_format_name: str = "auto") -> None:
         self.service = service
         self.created = int(time.time())
+        self.chat_format = chat_format(service.llm.tokenizer, chat_format_name)  # kiln/chat.py
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -261,6 +284,13 @@ class OpenAIRoutes:
         return await self._reply(request, body, COMPLETION, lambda: self._completion_plan(body))
 
     async def chat_completions(self, body: ChatBody, request: Request) -> Response:
+        """An OpenAI chat completion. The conversation is written in the server's chat format (`--chat-format`):
+        the model's chat template, or for a base model a User:/Assistant: transcript whose replies stop where
+        the model opens the next User: turn (default max_tokens 128). A reply is complete when finish_reason is
+        `stop` or `tool_calls`. With `length` (max_tokens cut it) the content is a prefix of a valid reply (of
+        the response_format's JSON too) and `tool_calls` holds the calls written so far, the last one's
+        arguments possibly incomplete JSON; call markup never appears in content. A call identical to an
+        earlier call of the same reply ends the reply before it (`tool_calls`)."""
         return await self._reply(request, body, CHAT, lambda: self._chat_plan(body))
 
     async def models(self) -> dict:
@@ -289,7 +319,7 @@ class OpenAIRoutes:
         """Tools, tool_choice and response_format checked part by part (each error names its field),
         then the constraint the reply must match and the prompt with the callable tools rendered."""
         tools = [Tool(spec.function.name, spec.function.description or "", None if spec.function.parameters is None
-                      else closed(spec.function.parameters, f"tools[{index}].function.parameters"))
+                      else as_generated(spec.function.parameters, f"tools[{index}].function.parameters"))
                  for index, spec in enumerate(body.tools or ())]
         check_names(tools)
         for index, tool in enumerate(tools):
@@ -298,10 +328,14 @@ class OpenAIRoutes:
         plain = _checked(body.format_constraint())
         rules = grammar(tools, choice, _schema_of(plain)) if tools else None
         constraint = plain if rules is None else Constraint.grammar(rules, "tools")
+        room = MAX_STOP_STRINGS - len(self.chat_format.stop)
+        if len(body.stop_strings) > room:
+            raise InvalidArgumentError(f"at most {room} stop strings: the {self.chat_format.name} chat format adds its "
+                                       f"own {len(self.chat_format.stop)}", "stop")
         messages = from_openai_messages(body.messages)
         with naming("messages"):  # text the tokenizer refuses (a lone surrogate) came from the messages
-            prompt = tokens_for_chat(messages, self.tokenizer, tools if rules is not None else ())
-        return _Plan([prompt], constraint, calls=rules is not None)
+            prompt = tokens_for_chat(messages, self.tokenizer, tools if rules is not None else (), self.chat_format)
+        return _Plan([prompt], constraint, calls=rules is not None, form=self.chat_format)
 
     async def _reply(self, request: Request, body: OpenAIBody, shape: _Shape, plan_of: Callable[[], _Plan]) -> Response:
         """`plan_of()` checks the request, renders and tokenizes the prompts on a worker thread (megabytes
@@ -310,6 +344,9 @@ class OpenAIRoutes:
         self._check_model(body.model)
         plan = await run_in_threadpool(plan_of)
         generate = body.generate_request(plan.constraint)
+        stop = (*body.stop_strings, *plan.form.stop)  # a chat format's stop rule ends its replies
+        generate = replace(generate, stop=stop, max_tokens=plan.form.max_tokens if generate.max_tokens is None
+                           else generate.max_tokens)
         try:
             groups = await start_all([functools.partial(self.service.complete_choices, prompt, generate, body.n,
                                                         caller(request)) for prompt in plan.prompts])
@@ -319,15 +356,25 @@ class OpenAIRoutes:
         streams = [stream for group in groups for stream in group]
         reply = _Reply(shape, plan, self.tokenizer, shape.id_prefix + secrets.token_hex(12), int(time.time()),
                        body.model if body.model in self.service.aliases else self.service.model_name, streams, body.n,
-                       body.stop_strings, body.include_usage,
+                       stop, body.include_usage,
                        body.wants_logprobs)
         if body.stream:
             return SseResponse(self._chunks(reply), streams)
-        outputs = await unless_disconnected(request, self._outputs(reply), streams)
-        return JSONResponse(reply.body(outputs))
+        finished = await unless_disconnected(request, self._whole_choices(reply), streams)
+        return JSONResponse(reply.body(finished))
 
-    async def _outputs(self, reply: _Reply) -> list[Output]:
-        return [await collect(stream, self.tokenizer, reply.stop) for stream in reply.streams]
+    async def _whole_choices(self, reply: _Reply) -> list[_Finished]:
+        """Every choice in turn, built from the same pieces its stream would send."""
+        finished = []
+        for index, stream in enumerate(reply.streams):
+            text = reply.text(index)
+            pieces: list[dict] = []
+            async for delta in deltas(stream, self.tokenizer, reply.stop, text.ended):
+                pieces += text.push(delta.text)
+                if delta.result:
+                    pieces += text.finish(delta.result.finish_reason)
+                    finished.append(_Finished(pieces, text.finish_reason(delta.result.finish_reason), delta.result))
+        return finished
 
     async def _chunks(self, reply: _Reply) -> AsyncIterator[dict]:
         """The streamed chunks of every choice in turn (all generate concurrently; later ones buffer),
@@ -350,13 +397,13 @@ class OpenAIRoutes:
         text = reply.text(index)
         pending: list[Delta] = []
         offset = 0
-        async for delta in deltas(stream, self.tokenizer, reply.stop):
+        async for delta in deltas(stream, self.tokenizer, reply.stop, text.ended):
             if delta.token_id is not None:
                 pending.append(delta)
             pieces = text.push(delta.text)
             finish = None
             if delta.result:
-                pieces += text.finish()
+                pieces += text.finish(delta.result.finish_reason)
                 finish = text.finish_reason(delta.result.finish_reason)
                 usages.append(delta.result.usage)
             for number, piece in enumerate(pieces or ([{}] if finish else [])):
@@ -379,7 +426,7 @@ def _schema_of(constraint: Constraint | None) -> dict | None:
     """The JSON schema a non-call reply must match (response_format), for the tool grammar."""
     if constraint is None:
         return None
-    return {"type": "object"} if constraint.kind == "json_object" else json.loads(constraint.source)
+    return ANY_OBJECT if constraint.kind == "json_object" else json.loads(constraint.source)
 
 
 def _tool_choice(body: ChatBody, tools: list[Tool]) -> ToolChoice:

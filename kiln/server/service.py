@@ -39,6 +39,10 @@ class GenerateRequest:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     seed: int | None = None
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
@@ -92,6 +96,10 @@ class RuntimeService:
             temperature=0.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             top_k=request.top_k or 0,
+            min_p=0.0 if request.min_p is None else request.min_p,
+            repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+            presence_penalty=0.0 if request.presence_penalty is None else request.presence_penalty,
+            frequency_penalty=0.0 if request.frequency_penalty is None else request.frequency_penalty,
             seed=request.seed,
             stop=tuple(request.stop),
             stop_token_ids=tuple(request.stop_token_ids),  # checked against the vocabulary on submit

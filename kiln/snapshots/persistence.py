@@ -163,6 +163,20 @@ class _Job:
         return self.capture.session_id
 
 
+@dataclass(frozen=True)
+class StoredSession:
+    """A session as its newest save (or its capture still queued for one) describes it: what a listing
+    reports of a session that is not in memory, read without its K/V."""
+
+    session_id: str
+    history_tokens: int
+    created_at: float  # unix seconds
+    ttl_s: float
+    policy: str  # KVPolicy key
+    idle_s: float  # since its newest state was saved, or queued
+    last_saved_at: float | None  # None: its newest state is queued, not yet saved
+
+
 @dataclass
 class _Record:
     last_saved_at: float | None = None
@@ -266,6 +280,31 @@ class Persistence:
                 self._cond.notify_all()
         if refused:
             self._refuse(capture, waiters)
+
+    def sessions(self, owner: str | None) -> list[StoredSession]:
+        """The owner's sessions the store or the saver's queue holds (closed ones excepted), oldest created
+        first, whether or not they are in memory too. Reads manifests only; while the store is unreachable,
+        only the queue's (a listing still answers during an outage, as the sessions in memory do)."""
+        now, wall = time.monotonic(), time.time()
+        with self._cond:
+            queued = {job.session_id: job for job in self._jobs.values() if job.capture.owner == owner}
+            closed = set(self._closed) | self._deleting
+        found = {
+            sid: StoredSession(sid, len(job.capture.image.tokens), job.capture.created_at, job.capture.ttl_s,
+                               job.capture.image.policy.key.decode(), now - job.changed_at, None)
+            for sid, job in queued.items() if sid not in closed
+        }
+        try:
+            manifests = self.store.manifests(owner_digest(owner))
+        except UnavailableError as error:
+            logger.warning("listing sessions without those only the snapshot store holds: %s", error)
+            manifests = []
+        for manifest in manifests:
+            sid = manifest.session_id or ""
+            if manifest.kind == KIND_SESSION and sid not in closed and sid not in found:
+                found[sid] = StoredSession(sid, len(manifest.token_ids), manifest.session_created_at, manifest.ttl_s,
+                                           manifest.policy, max(0.0, wall - manifest.created_at), manifest.created_at)
+        return sorted(found.values(), key=lambda stored: stored.created_at)
 
     def _refuse(self, capture: SessionCapture, waiters: list[Waiter]) -> None:
         if capture.session_id in self._closed:  # closed meanwhile: nothing left to save

@@ -30,7 +30,7 @@ SERVING_STATUS_SHUTTING_DOWN: ServingStatus
 SERVING_STATUS_ENGINE_FAILED: ServingStatus
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "history_tokens", "computed_tokens", "resident_pages", "resident_kv_bytes", "reused_tokens", "last_prefill_tokens", "generating", "created_at", "idle_s", "ttl_s", "kv_policy", "kv_sink_tokens", "kv_window_tokens", "kv_bytes_per_token", "tier_bytes_per_token", "host_tier_bytes", "disk_tier_bytes", "global_kv_bytes", "unsaved_changes", "last_saved_at", "save_failures")
+    __slots__ = ("session_id", "history_tokens", "computed_tokens", "resident_pages", "resident_kv_bytes", "reused_tokens", "last_prefill_tokens", "generating", "created_at", "idle_s", "ttl_s", "kv_policy", "kv_sink_tokens", "kv_window_tokens", "kv_bytes_per_token", "tier_bytes_per_token", "host_tier_bytes", "disk_tier_bytes", "global_kv_bytes", "unsaved_changes", "last_saved_at", "save_failures", "resident")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class SessionInfo(_message.Message):
     UNSAVED_CHANGES_FIELD_NUMBER: _ClassVar[int]
     LAST_SAVED_AT_FIELD_NUMBER: _ClassVar[int]
     SAVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     history_tokens: int
     computed_tokens: int
@@ -75,7 +76,8 @@ class SessionInfo(_message.Message):
     unsaved_changes: bool
     last_saved_at: float
     save_failures: int
-    def __init__(self, session_id: _Optional[str] = ..., history_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., resident_pages: _Optional[int] = ..., resident_kv_bytes: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., last_prefill_tokens: _Optional[int] = ..., generating: _Optional[bool] = ..., created_at: _Optional[float] = ..., idle_s: _Optional[float] = ..., ttl_s: _Optional[float] = ..., kv_policy: _Optional[str] = ..., kv_sink_tokens: _Optional[int] = ..., kv_window_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[float] = ..., tier_bytes_per_token: _Optional[float] = ..., host_tier_bytes: _Optional[int] = ..., disk_tier_bytes: _Optional[int] = ..., global_kv_bytes: _Optional[int] = ..., unsaved_changes: _Optional[bool] = ..., last_saved_at: _Optional[float] = ..., save_failures: _Optional[int] = ...) -> None: ...
+    resident: bool
+    def __init__(self, session_id: _Optional[str] = ..., history_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., resident_pages: _Optional[int] = ..., resident_kv_bytes: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., last_prefill_tokens: _Optional[int] = ..., generating: _Optional[bool] = ..., created_at: _Optional[float] = ..., idle_s: _Optional[float] = ..., ttl_s: _Optional[float] = ..., kv_policy: _Optional[str] = ..., kv_sink_tokens: _Optional[int] = ..., kv_window_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[float] = ..., tier_bytes_per_token: _Optional[float] = ..., host_tier_bytes: _Optional[int] = ..., disk_tier_bytes: _Optional[int] = ..., global_kv_bytes: _Optional[int] = ..., unsaved_changes: _Optional[bool] = ..., last_saved_at: _Optional[float] = ..., save_failures: _Optional[int] = ..., resident: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "reused_tokens", "prefilled_tokens", "generated_tokens")
@@ -124,7 +126,7 @@ class AppendTokensResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "json_schema", "regex", "grammar")
+    __slots__ = ("session_id", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "json_schema", "regex", "grammar", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +140,10 @@ class GenerateRequest(_message.Message):
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_tokens: int
     temperature: float
@@ -151,7 +157,11 @@ class GenerateRequest(_message.Message):
     json_schema: str
     regex: str
     grammar: str
-    def __init__(self, session_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    min_p: float
+    def __init__(self, session_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("tokens", "finish")

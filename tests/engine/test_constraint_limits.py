@@ -16,7 +16,7 @@ import pytest
 
 from kiln.engine.compile_threads import CompileThreads
 from kiln.engine.constraint_limits import LIMITS, check_regex, lark_regexes, repetition
-from kiln.engine.constraints import Constraint, ConstraintCompiler, closed
+from kiln.engine.constraints import Constraint, ConstraintCompiler, as_generated
 from kiln.engine.sampler import INT32_MAX, SamplingParams
 from kiln.errors import InvalidArgumentError, ResourceExhaustedError
 from kiln.tools import Tool, ToolChoice, check_names, grammar
@@ -73,7 +73,7 @@ def test_a_schema_nested_400_deep_is_refused_not_a_recursion_error(compiler):
     refused("max_schema_depth", LIMITS.max_schema_depth + 1, Constraint.json_schema, deep)
     text = "[" * 100_000 + "]" * 100_000  # too deep for Python's own JSON parser
     refused("max_schema_depth", LIMITS.max_schema_depth + 1, Constraint.json_schema, text)
-    refused("max_schema_depth", LIMITS.max_schema_depth + 1, closed, deep)
+    refused("max_schema_depth", LIMITS.max_schema_depth + 1, as_generated, deep)
 
 
 def test_a_recursive_required_ref_is_refused_at_compile(compiler):

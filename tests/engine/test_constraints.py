@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.engine.constraints import Constraint, closed, compiler_for, constrain
+from kiln.engine.constraints import Constraint, as_generated, compiler_for, constrain
 from kiln.engine.sampler import SamplingParams
 from kiln.engine.stream import GenerationStream
 from kiln.errors import InvalidArgumentError
@@ -206,6 +206,28 @@ def test_objects_that_list_properties_are_generated_closed(llm):
     schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}
     for output in llm.generate(["x", "y", "z"], max_tokens=60, temperature=1.5, seed=8, json_schema=schema):
         assert set(json.loads(output.text)) == {"a"}
-    assert closed({"properties": {}, "anyOf": [{"properties": {"b": {}}}]}) == {
+    assert as_generated({"properties": {}, "anyOf": [{"properties": {"b": {}}}]}) == {
         "properties": {}, "anyOf": [{"properties": {"b": {}}, "additionalProperties": False}]}
-    assert closed({"allOf": [{"properties": {"b": {}}}]}) == {"allOf": [{"properties": {"b": {}}}]}
+    assert as_generated({"allOf": [{"properties": {"b": {}}}]}) == {"allOf": [{"properties": {"b": {}}}]}
+
+
+def test_numbers_without_bounds_end_within_64_bits(llm):
+    """A model pushed to write nothing but digits (every digit's logit +100) still ends an unbounded
+    integer at 19 digits inside the 64-bit range, and a number at 19 digits before the point and 9 after,
+    so the JSON completes ("stop") instead of running to max_tokens; json_object's numbers too."""
+    digits = llm.tokenizer.encode("0123456789", add_special_tokens=False)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"},
+                                               "k": {"type": "integer", "minimum": 1}},
+              "required": ["n", "x", "k"]}
+    (output,) = llm.generate(["x"], max_tokens=150, logit_bias=[(token, 100.0) for token in digits], json_schema=schema)
+    assert output.finish_reason == "stop"
+    value = json.loads(output.text)
+    assert all(isinstance(value[key], int) and -(2**63) <= value[key] < 2**63 for key in ("n", "k")) and value["k"] >= 1
+    integral, _, decimals = re.search(r'"x": (-?[0-9.]+)', output.text).group(1).lstrip("-").partition(".")
+    assert len(integral) <= 19 and len(decimals) <= 9
+    assert as_generated({"type": ["integer", "null"], "maximum": 5}) == {"type": ["integer", "null"], "maximum": 5,
+                                                                         "minimum": -(2**63 - 1024)}
+    compiler = compiler_for("tiny-llama", llm.tokenizer, llm.engine.model_config.vocab_size)
+    matcher = compiler.matcher(Constraint.json_object(), frozenset(llm.tokenizer.eos_token_ids))  # any object, too
+    assert all(matcher.accept(token) for token in llm.tokenizer.encode('{"a": [' + "9" * 18, add_special_tokens=False))
+    assert not matcher.accept(digits[9])

@@ -344,9 +344,10 @@ def test_second_load_reads_the_cache(
     first = load_model(tiny_gguf, cache_dir=cache)
     assert entries(cache) == [first.fingerprint]
     entry = cache / first.fingerprint
+    # The description only: weights are read from the GGUF file until a configuration keeps a conversion.
     assert sorted(p.name for p in entry.iterdir()) == [
         "config.json",
-        "model.safetensors",
+        "gguf_tensors.json",
         "tokenizer.json",
         "tokenizer_kiln.json",
     ]
@@ -399,11 +400,11 @@ def test_failed_conversion_leaves_no_entry(
 ) -> None:
     cache = tmp_path / "cache"
 
-    def killed(tensors: dict, path: Path) -> None:
-        Path(path).write_bytes(b"partial")
+    def killed(tokenizer: Tokenizer, directory: Path) -> None:
+        (directory / "tokenizer.json").write_bytes(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(weight_cache, "save_file", killed)
+    monkeypatch.setattr(Tokenizer, "save", killed)
     with pytest.raises(KeyboardInterrupt):
         load_model(tiny_gguf, cache_dir=cache)
     assert entries(cache) == []

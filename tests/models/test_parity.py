@@ -10,7 +10,6 @@ import copy
 import dataclasses
 import os
 import re
-from collections import deque
 from itertools import zip_longest
 
 import pytest
@@ -109,7 +108,7 @@ class PoisonedCache:
         self.cache.storage.data.fill_(POISON)
         self.block_shape = (2, layout.slots, page_size, layout.num_kv_heads, layout.head_dim)
         self.generator = torch.Generator().manual_seed(0)
-        self.cache._free = deque(torch.randperm(num_pages, generator=self.generator).tolist())
+        self.cache._free = torch.randperm(num_pages, generator=self.generator).tolist()
         self.runner = ModelRunner(model, self.cache.storage, batch_invariant)
         self.released = 0
 

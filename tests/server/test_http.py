@@ -251,7 +251,7 @@ def wait_idle(http: httpx.Client, session: str) -> dict:
      "max_completion_tokens"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "temperature": "warm"}, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ("/v1/sessions", {"token_ids": [1], "ttl": 5}, "ttl"),
     ("/v1/sessions", {"token_ids": [1], "ttl_s": 1e-300}, "ttl_s"),  # would expire before the reply

@@ -85,6 +85,39 @@ def test_a_required_tool_call_comes_back_as_tool_calls_whole_and_streamed(oai):
     assert state.get_final_completion().choices[0].message.tool_calls[0].function.arguments == call.function.arguments
 
 
+NO_EOS = {"2": -100}  # the tiny models' EOS (tests/tiny_models.py): after a call only another call may follow
+
+
+def test_a_repeated_call_ends_the_reply_whole_and_streamed(oai):
+    """ping takes no arguments, so a second call can only repeat the first: the reply ends after one
+    call (finish_reason tool_calls) instead of repeating it until max_tokens."""
+    options = {"model": "kiln", "messages": ASK, "max_tokens": 200, "tools": [PING], "tool_choice": "required",
+               "logit_bias": NO_EOS}
+    whole = oai.chat.completions.create(**options)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [("ping", "{}")]
+    assert whole.usage.completion_tokens < 200
+    chunks = list(oai.chat.completions.create(**options, stream=True))
+    deltas = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or ()]
+    assert {delta.index for delta in deltas} == {0} and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+
+
+@pytest.mark.parametrize("max_tokens", [3, 8, 20, 30, 36, 40])
+def test_a_reply_cut_by_max_tokens_puts_no_call_markup_into_content(oai, max_tokens):
+    """Cut before, inside or between calls (ping's call is 34 bytes, one token each): `length`, the calls
+    written so far, and never markup as content, whole or streamed."""
+    options = {"model": "kiln", "messages": ASK, "max_tokens": max_tokens, "tools": [PING, WEATHER],
+               "tool_choice": "required", "logit_bias": NO_EOS, "temperature": 1.0, "seed": max_tokens}
+    choice = oai.chat.completions.create(**options).choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content
+    chunks = list(oai.chat.completions.create(**options, stream=True))
+    assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    streamed = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or ()]
+    assert [c.function.name for c in choice.message.tool_calls or ()] == [c.function.name for c in streamed if c.id]
+
+
 def test_a_named_function_is_called_and_parallel_calls_follow_the_schema(oai):
     named = oai.chat.completions.create(model="kiln", messages=ASK, max_tokens=120, tools=[WEATHER, PING],
                                         tool_choice={"type": "function", "function": {"name": "get_weather"}})
@@ -194,6 +227,7 @@ def test_harmless_fields_are_accepted_and_ignored(oai):
      "tools[1].function.parameters", "does not compile"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"stop": [str(i) for i in range(15)]}, "stop", "transcript chat format adds its own 2"),
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools.0.function.name", "pattern"),
     ({"n": 17}, "n", "16"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "20"),

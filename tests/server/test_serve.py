@@ -60,7 +60,8 @@ def test_chat_talks_to_a_running_server(tiny_server):
     stats = re.findall(r"prefilled (\d+) · reused (\d+) from cache · generated (\d+)", run.stderr)
     assert len(stats) == 2, run.stderr
     (prefilled, reused, generated), (_, second_reused, _) = [tuple(map(int, s)) for s in stats]
-    assert second_reused == prefilled + reused + generated - 1  # all of turn one but its last token
+    # all of turn one's prompt, and its reply too unless the conversation's rendering writes it otherwise
+    assert prefilled + reused <= second_reused <= prefilled + reused + generated - 1
 
 
 @pytest.mark.embedded

@@ -145,6 +145,44 @@ def test_sessions_come_back_after_a_restart_with_id_owner_and_history(tiny_llm, 
     assert after.persistence.stats.restores["session"] == 1
 
 
+def test_sessions_not_in_memory_are_listed_as_not_resident(tiny_llm, tmp_path):
+    """After a restart (and after an eviction) the owner's list holds its saved sessions, marked as not
+    resident, once each; another owner's, and closed ones, are not listed."""
+    options = {"speculative": None, "snapshot_dir": str(tmp_path), "instance_id": "node-1"}
+    llm = tiny_llm("llama", **options)
+    kept, closed = llm.create_session(prompt(50)), llm.create_session(prompt(20, seed=1))
+    generated(kept)
+    theirs = llm.sessions.create(prompt(10), owner="someone else")
+    llm.persistence.flush()
+    closed.close()
+    after = tiny_llm("llama", **options, max_sessions=1)
+    (listed,) = after.sessions.list()
+    assert (listed.session_id, listed.history_tokens, listed.resident) == (kept.id, len(kept.tokens), False)
+    assert (listed.computed_tokens, listed.resident_kv_bytes, listed.kv_policy) == (0, 0, "full")
+    assert listed.last_saved_at is not None and not listed.unsaved_changes
+    assert [s.session_id for s in after.sessions.list("someone else")] == [theirs]
+    after.get_session(kept.id)
+    assert [(s.session_id, s.resident) for s in after.sessions.list()] == [(kept.id, True)]
+    fresh = after.create_session(prompt(30, seed=2))  # evicts the restored one (max_sessions=1)
+    assert [(s.session_id, s.resident) for s in after.sessions.list()] == [(fresh.id, True), (kept.id, False)]
+
+
+def test_listing_answers_while_the_store_is_unreachable(tiny_llm, tmp_path, monkeypatch):
+    """Sessions in memory, and an evicted one whose capture is still queued, are listed; those only the
+    store holds are left out until it answers again."""
+    llm = tiny_llm("llama", speculative=None, snapshot_dir=str(tmp_path), max_sessions=1)
+    evicted = llm.create_session(prompt(20))
+    llm.persistence.flush()
+
+    def unreachable(*args: object) -> None:
+        raise UnavailableError("the store is unreachable")
+
+    monkeypatch.setattr(llm.persistence.store, "manifests", unreachable)
+    monkeypatch.setattr(llm.persistence.store, "save", unreachable)  # the eviction's capture stays queued
+    live = llm.create_session(prompt(30, seed=1))  # evicts the first
+    assert [(s.session_id, s.resident) for s in llm.sessions.list()] == [(live.id, True), (evicted.id, False)]
+
+
 def test_evicted_sessions_are_restored_lazily(tiny_llm, tmp_path):
     llm = tiny_llm("llama", speculative=None, snapshot_dir=str(tmp_path), max_sessions=2)
     sessions = [llm.create_session(prompt(40, seed=i)) for i in range(3)]  # the third evicts the first

@@ -78,7 +78,12 @@ def test_sessions_survive_kill_9_and_graceful_restarts_bit_exactly(model, tmp_pa
 
     second = serve(model, *store)
     with Client(second.grpc_address) as client:
+        listed = {info.session_id: info for info in client.list_sessions()}  # saved, not yet back in memory
+        assert {sid: (info.history_tokens, info.resident) for sid, info in listed.items()} == {
+            sid: (history, False) for sid, history in histories.items()
+        }
         back = client.get_session(greedy.id)
+        assert {info.session_id: info.resident for info in client.list_sessions()} == {greedy.id: True, seeded.id: False}
         assert back.info().history_tokens == histories[greedy.id]
         continued = back.generate(**GREEDY).result()
         assert continued.usage.reused_tokens == histories[greedy.id] - 1  # K/V from disk, not recomputed

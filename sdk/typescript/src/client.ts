@@ -112,7 +112,10 @@ export class Client {
     return new Session(this, sessionId);
   }
 
-  /** This API key's live sessions, least recently used first. */
+  /**
+   * This API key's sessions: those in memory, least recently used first, then (on a server that persists
+   * sessions) those saved but not in memory, `resident` false, brought back by their next use.
+   */
   async listSessions(options: CallOptions = {}): Promise<SessionInfo[]> {
     const reply = await this._transport.unary("listSessions", ListSessionsRequest.fromPartial({}), options);
     return reply.sessions.map((session) => ({ ...session }));

@@ -39,6 +39,17 @@ export interface SamplingOptions {
   topP?: number;
   /** Keep only the k most likely tokens; 0: no cut. */
   topK?: number;
+  /** In [0, 1]: keep only tokens at least minP times as likely as the likeliest. Unset or 0: no cut. */
+  minP?: number;
+  /**
+   * HF/vLLM's, in (0, 100]: tokens already in the history (earlier turns included) or the reply have
+   * their logit divided by it when positive, multiplied otherwise. Unset: 1 (off).
+   */
+  repetitionPenalty?: number;
+  /** OpenAI's, in [-2, 2]: subtracted from the logit of every token the reply already holds. Unset: 0. */
+  presencePenalty?: number;
+  /** OpenAI's, in [-2, 2]: subtracted from a token's logit per time the reply already holds it. Unset: 0. */
+  frequencyPenalty?: number;
   /** Reproducible sampling, independent of whatever else shares the batch. */
   seed?: number;
   /** Stop once the generated text contains one of these (the matching tokens stay in the history). */
@@ -134,6 +145,10 @@ export function generateRequest(sessionId: string, options: SamplingOptions): Ge
     temperature: typed<number>("temperature", options.temperature ?? 0, "number"),
     topP: typed<number>("topP", options.topP, "number"),
     topK: integer("topK", options.topK),
+    minP: typed<number>("minP", options.minP, "number"),
+    repetitionPenalty: typed<number>("repetitionPenalty", options.repetitionPenalty, "number"),
+    presencePenalty: typed<number>("presencePenalty", options.presencePenalty, "number"),
+    frequencyPenalty: typed<number>("frequencyPenalty", options.frequencyPenalty, "number"),
     seed: integer("seed", options.seed, UINT64),
     stop: stopStrings(options.stop),
     stopTokenIds: tokenIds(options.stopTokenIds),

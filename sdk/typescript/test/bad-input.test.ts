@@ -72,6 +72,10 @@ describe("bad input", () => {
       () => session.generate({ maxTokens: 4, temperature: -1 }).result(),
       () => session.generate({ maxTokens: 4, topP: 2 }).result(),
       () => session.generate({ maxTokens: 4, topK: -1 }).result(),
+      () => session.generate({ maxTokens: 4, minP: 1.5 }).result(),
+      () => session.generate({ maxTokens: 4, repetitionPenalty: 0 }).result(),
+      () => session.generate({ maxTokens: 4, presencePenalty: 2.5 }).result(),
+      () => session.generate({ maxTokens: 4, frequencyPenalty: -3 }).result(),
       () => session.generate({ maxTokens: 4, stopTokenIds: [VOCAB] }).result(),
       () => session.generate({ maxTokens: 4, stop: ["x".repeat(1000)] }).result(),
       () => session.fork({ at: -1 }),
@@ -80,6 +84,10 @@ describe("bad input", () => {
       () => client.getSession("x".repeat(1000)),
     ];
     for (const call of badCalls) await assert.rejects(call(), InvalidArgumentError);
+    for (const field of ["min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]) {
+      const option = field.replace(/_(.)/g, (_, letter: string) => letter.toUpperCase());
+      await assert.rejects(session.generate({ maxTokens: 4, [option]: 101 }).result(), { name: "InvalidArgumentError", message: new RegExp(field) });
+    }
     assert.equal((await session.info()).historyTokens, 3); // nothing was half-applied
     assert.equal((await session.generate({ maxTokens: 2, ignoreEos: true }).result()).usage.generatedTokens, 2);
     assert.ok((await requestsCounted(open, "grpc/CreateSession", "INVALID_ARGUMENT")) >= before + 3);
@@ -93,6 +101,10 @@ describe("bad input", () => {
       [{ temperature: "hot" }, /^temperature='hot': must be a number$/],
       [{ topP: "x" }, /^topP/],
       [{ topK: 1.5 }, /^topK/],
+      [{ minP: "0.1" }, /^minP='0.1': must be a number$/],
+      [{ repetitionPenalty: true }, /^repetitionPenalty/],
+      [{ presencePenalty: "1" }, /^presencePenalty/],
+      [{ frequencyPenalty: null }, /^frequencyPenalty/],
       [{ seed: "s" }, /^seed/],
       [{ seed: -1 }, /^seed=-1: Value out of range: -1$/],
       [{ ignoreEos: "yes" }, /^ignoreEos/],

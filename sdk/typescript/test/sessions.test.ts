@@ -190,6 +190,18 @@ describe("sessions over a real kiln serve", () => {
     });
   });
 
+  it("sampling controls reach the engine: the penalised greedy reply is not the plain one", async () => {
+    const start = history();
+    const reply = async (options: object): Promise<number[]> => {
+      const session = await client.createSession({ tokens: start });
+      return (await session.generate({ maxTokens: 12, ignoreEos: true, ...options }).result()).tokenIds;
+    };
+    const controls = { repetitionPenalty: 1.8, presencePenalty: 1.5, frequencyPenalty: 0.7, minP: 0.2 };
+    const penalised = await reply(controls);
+    assert.notDeepEqual(penalised, await reply({}));
+    assert.deepEqual(await reply(controls), penalised);
+  });
+
   it("chunks carry every token and its logprob", async () => {
     const session = await client.createSession({ tokens: history() });
     const generation = session.generate({ maxTokens: 12, ignoreEos: true, logprobs: true });

@@ -166,7 +166,10 @@ describe("a stand-in server: typed errors, stream edges, requests", () => {
       call.end();
     };
     const schema = { type: "object", properties: { city: { type: "string" } }, required: ["city"] };
-    const options = { maxTokens: 7, temperature: 0.5, topP: 0.9, topK: 40, seed: 2 ** 40, stop: "\n\n", logprobs: true };
+    const options = {
+      maxTokens: 7, temperature: 0.5, topP: 0.9, topK: 40, seed: 2 ** 40, stop: "\n\n", logprobs: true,
+      minP: 0.05, repetitionPenalty: 1.3, presencePenalty: -0.5, frequencyPenalty: 2,
+    };
     await assert.rejects(session.generate({ ...options, stopTokenIds: Uint32Array.of(9), ignoreEos: true, jsonSchema: schema, timeoutMs: 5000 }).result());
     assert.deepEqual(received, {
       sessionId: "fake-session",

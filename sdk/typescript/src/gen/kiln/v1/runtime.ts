@@ -118,6 +118,12 @@ export interface SessionInfo {
   unsavedChanges: boolean;
   lastSavedAt?: number | undefined;
   saveFailures: number;
+  /**
+   * False for a session ListSessions found in the snapshot store, not in memory (evicted, or saved
+   * before a restart): none of its K/V is resident, and its next use brings it back. Unset from a
+   * server that predates the field (every session it lists is in memory).
+   */
+  resident?: boolean | undefined;
 }
 
 /** Token accounting of one Generate. prompt_tokens = reused_tokens + prefilled_tokens. */
@@ -203,7 +209,7 @@ export interface GenerateRequest {
   ignoreEos: boolean;
   /**
    * Report each generated token's log-probability (under the model, before temperature and cuts;
-   * with a constraint below, under the constrained distribution).
+   * with a constraint or the penalties below, under the constrained and penalised distribution).
    */
   logprobs: boolean;
   /**
@@ -222,7 +228,37 @@ export interface GenerateRequest {
     | string
     | undefined;
   /** A Lark grammar (llguidance's dialect: a `start` rule; `%json {...}` embeds a JSON schema). */
-  grammar?: string | undefined;
+  grammar?:
+    | string
+    | undefined;
+  /**
+   * Penalties on the generation's own tokens, applied in this order after a constraint's mask and
+   * before temperature and the cuts (greedy takes the argmax of the penalised logits).
+   * HF/vLLM's repetition penalty in (0, 100]: every token of the history (earlier turns included) and
+   * of the reply has its logit divided by it when positive, multiplied by it otherwise. Unset: 1 (off).
+   */
+  repetitionPenalty?:
+    | number
+    | undefined;
+  /**
+   * OpenAI's presence penalty in [-2, 2]: subtracted once from the logit of every token the reply holds.
+   * Unset: 0.
+   */
+  presencePenalty?:
+    | number
+    | undefined;
+  /**
+   * OpenAI's frequency penalty in [-2, 2]: subtracted from a token's logit per time the reply holds it.
+   * Unset: 0.
+   */
+  frequencyPenalty?:
+    | number
+    | undefined;
+  /**
+   * Min-p in [0, 1]: after temperature, keep only tokens at least min_p times as likely as the
+   * likeliest. Unset or 0: no cut.
+   */
+  minP?: number | undefined;
 }
 
 /** One message of a Generate stream: any number of token chunks, then exactly one finish. */
@@ -415,6 +451,7 @@ function createBaseSessionInfo(): SessionInfo {
     unsavedChanges: false,
     lastSavedAt: undefined,
     saveFailures: 0,
+    resident: undefined,
   };
 }
 
@@ -485,6 +522,9 @@ export const SessionInfo: MessageFns<SessionInfo> = {
     }
     if (message.saveFailures !== 0) {
       writer.uint32(240).uint32(message.saveFailures);
+    }
+    if (message.resident !== undefined) {
+      writer.uint32(248).bool(message.resident);
     }
     return writer;
   },
@@ -678,6 +718,14 @@ export const SessionInfo: MessageFns<SessionInfo> = {
             message.saveFailures = reader.uint32();
             continue;
           }
+          case 31: {
+            if (tag !== 248) {
+              break;
+            }
+
+            message.resident = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -717,6 +765,7 @@ export const SessionInfo: MessageFns<SessionInfo> = {
     message.unsavedChanges = object.unsavedChanges ?? false;
     message.lastSavedAt = object.lastSavedAt ?? undefined;
     message.saveFailures = object.saveFailures ?? 0;
+    message.resident = object.resident ?? undefined;
     return message;
   },
 };
@@ -1139,6 +1188,10 @@ function createBaseGenerateRequest(): GenerateRequest {
     jsonSchema: undefined,
     regex: undefined,
     grammar: undefined,
+    repetitionPenalty: undefined,
+    presencePenalty: undefined,
+    frequencyPenalty: undefined,
+    minP: undefined,
   };
 }
 
@@ -1186,6 +1239,18 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     }
     if (message.grammar !== undefined) {
       writer.uint32(106).string(message.grammar);
+    }
+    if (message.repetitionPenalty !== undefined) {
+      writer.uint32(113).double(message.repetitionPenalty);
+    }
+    if (message.presencePenalty !== undefined) {
+      writer.uint32(121).double(message.presencePenalty);
+    }
+    if (message.frequencyPenalty !== undefined) {
+      writer.uint32(129).double(message.frequencyPenalty);
+    }
+    if (message.minP !== undefined) {
+      writer.uint32(137).double(message.minP);
     }
     return writer;
   },
@@ -1317,6 +1382,38 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
             message.grammar = reader.string();
             continue;
           }
+          case 14: {
+            if (tag !== 113) {
+              break;
+            }
+
+            message.repetitionPenalty = reader.double();
+            continue;
+          }
+          case 15: {
+            if (tag !== 121) {
+              break;
+            }
+
+            message.presencePenalty = reader.double();
+            continue;
+          }
+          case 16: {
+            if (tag !== 129) {
+              break;
+            }
+
+            message.frequencyPenalty = reader.double();
+            continue;
+          }
+          case 17: {
+            if (tag !== 137) {
+              break;
+            }
+
+            message.minP = reader.double();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1347,6 +1444,10 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     message.jsonSchema = object.jsonSchema ?? undefined;
     message.regex = object.regex ?? undefined;
     message.grammar = object.grammar ?? undefined;
+    message.repetitionPenalty = object.repetitionPenalty ?? undefined;
+    message.presencePenalty = object.presencePenalty ?? undefined;
+    message.frequencyPenalty = object.frequencyPenalty ?? undefined;
+    message.minP = object.minP ?? undefined;
     return message;
   },
 };
@@ -3117,7 +3218,10 @@ export const RuntimeService = {
     responseSerialize: (value: ForkSessionResponse): Buffer => Buffer.from(ForkSessionResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): ForkSessionResponse => ForkSessionResponse.decode(value),
   },
-  /** Lists the caller's own live sessions. */
+  /**
+   * Lists the caller's own sessions: those in memory (least recently used first), then those only the
+   * snapshot store holds (resident = false).
+   */
   listSessions: {
     path: "/kiln.v1.Runtime/ListSessions" as const,
     requestStream: false as const,
@@ -3240,7 +3344,10 @@ export interface RuntimeServer extends UntypedServiceImplementation {
    * KV pages (copy-on-write), so forking costs no compute.
    */
   forkSession: handleUnaryCall<ForkSessionRequest, ForkSessionResponse>;
-  /** Lists the caller's own live sessions. */
+  /**
+   * Lists the caller's own sessions: those in memory (least recently used first), then those only the
+   * snapshot store holds (resident = false).
+   */
   listSessions: handleUnaryCall<ListSessionsRequest, ListSessionsResponse>;
   /** Text to token ids with the served model's tokenizer (an opt-in convenience for clients). */
   tokenize: handleUnaryCall<TokenizeRequest, TokenizeResponse>;
@@ -3366,7 +3473,10 @@ export interface RuntimeClient extends Client {
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: ForkSessionResponse) => void,
   ): ClientUnaryCall;
-  /** Lists the caller's own live sessions. */
+  /**
+   * Lists the caller's own sessions: those in memory (least recently used first), then those only the
+   * snapshot store holds (resident = false).
+   */
   listSessions(
     request: ListSessionsRequest,
     callback: (error: ServiceError | null, response: ListSessionsResponse) => void,
