@@ -22,6 +22,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+import kiln  # noqa: F401  # isort: skip  (before torch: Kiln's OpenMP wait policy, kiln/openmp.py)
 import torch
 
 BENCH_DIR = Path(__file__).resolve().parent

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from importlib import import_module
 
+import kiln.openmp  # noqa: F401  (first: sets OpenMP's wait policy before anything imports torch)
+
 _EXPORTS = {
     "LLM": "kiln.llm",
     "RequestOutput": "kiln.llm",

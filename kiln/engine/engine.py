@@ -56,6 +56,7 @@ from kiln.kv.tiers import PageTiers, TierUsage
 from kiln.models import build_model, quantize_model
 from kiln.models.loader import LoadedModel
 from kiln.models.quant import quantized_file
+from kiln.openmp import warn_if_set_too_late
 
 logger = logging.getLogger(__name__)
 EMBEDDINGS = "model.embed_tokens.weight"
@@ -103,6 +104,7 @@ def build_engine_model(config: EngineConfig, loaded: LoadedModel) -> tuple[torch
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        warn_if_set_too_late()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
