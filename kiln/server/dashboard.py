@@ -7,8 +7,8 @@ hold no data. The data comes from `GET /dashboard/state.json`, which the page po
 which is authenticated like the API: with keys on, the page asks for a key and sends it as a Bearer
 token; a key sees its own sessions, an admin key (kiln/server/auth.py) everyone's.
 `GET /dashboard/sessions/{id}.json` is one session's drill-down. Both answer from the shared reading of
-kiln/server/dashboard_state.py, rebuilt on a worker thread at most twice a second. Any other path under
-/dashboard is 404 (401 first without a key).
+kiln/server/dashboard_state.py, rebuilt on a worker thread at most twice a second, its JSON encoded
+there once per caller scope. Any other path under /dashboard is 404 (401 first without a key).
 """
 
 from __future__ import annotations
@@ -48,16 +48,15 @@ class DashboardRoutes:
             router.add_api_route(path, self._serve_asset, methods=["GET"], name=f"dashboard{path[10:]}")
 
         @router.get("/dashboard/state.json")
-        async def dashboard_state(request: Request) -> JSONResponse:
+        async def dashboard_state(request: Request) -> Response:
             owner = caller(request)
-            reading = await asyncio.to_thread(self.state.reading)
-            return JSONResponse(reading.view(owner, self.keys.sees_all(owner)), headers=NO_STORE)
+            body = await asyncio.to_thread(lambda: self.state.reading().encoded(owner, self.keys.sees_all(owner)))
+            return Response(body, media_type="application/json", headers=NO_STORE)
 
         @router.get("/dashboard/sessions/{session_id}.json")
         async def dashboard_session(request: Request, session_id: str) -> JSONResponse:
             owner = caller(request)
-            reading = await asyncio.to_thread(self.state.reading)
-            detail = reading.session(session_id, owner, self.keys.sees_all(owner))
+            detail = await asyncio.to_thread(lambda: self.state.reading().session(session_id, owner, self.keys.sees_all(owner)))
             if detail is None:
                 raise NotFoundError(f"no live session {session_id[:64]!r}")
             return JSONResponse(detail, headers=NO_STORE)

@@ -10,6 +10,7 @@ authenticated caller: they are what /metrics already publishes.
 
 from __future__ import annotations
 
+import json
 import statistics
 import threading
 import time
@@ -55,10 +56,18 @@ class Reading:
     overview: dict
     sessions: tuple[LiveSession, ...]
     taken_at: float = field(default_factory=time.monotonic)
+    _encoded: dict[tuple[str | None, bool], bytes] = field(default_factory=dict, compare=False, repr=False)
 
     def view(self, owner: str | None, sees_all: bool) -> dict:
         rows = [_row(s, sees_all) for s in self.sessions if sees_all or s.owner == owner]
         return {**self.overview, "sees_all": sees_all, "sessions": rows}
+
+    def encoded(self, owner: str | None, sees_all: bool) -> bytes:
+        """`view` as JSON, encoded once per caller scope and reading (many open pages, one encoding)."""
+        key = (owner, sees_all)
+        if key not in self._encoded:
+            self._encoded[key] = json.dumps(self.view(owner, sees_all), separators=(",", ":")).encode()
+        return self._encoded[key]
 
     def session(self, session_id: str, owner: str | None, sees_all: bool) -> dict | None:
         """A session's drill-down: its row, its turns and its pages by KV group (None: not visible)."""
