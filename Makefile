@@ -68,6 +68,7 @@ bench: setup
 	$(BIN)/python bench/structured.py
 	$(BIN)/python bench/snapshot.py
 	$(BIN)/python bench/slow_clients.py
+	$(BIN)/python bench/dashboard.py
 
 proto: setup  ## regenerate the checked-in Python and TypeScript message modules from proto/kiln/v1/runtime.proto
 	$(BIN)/python proto/generate.py
