@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: run chat test test-ts peer-test fault fuzz soak bench lint setup model proto redis clean
+.PHONY: run chat test test-ts peer-test fault fuzz soak bench lint setup model proto redis chromium clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -16,7 +16,7 @@ setup: $(STAMP)
 model: setup  ## assemble and convert the embedded model (cached after the first run)
 	$(BIN)/python -m kiln.models.embedded
 
-run: model  ## serve the embedded model: gRPC on 127.0.0.1:50051, HTTP (OpenAI API) on 127.0.0.1:8000
+run: model  ## serve the embedded model: gRPC on 127.0.0.1:50051, HTTP (OpenAI API, /dashboard) on 127.0.0.1:8000
 	$(BIN)/kiln serve
 
 chat: model  ## interactive chat in process, with per-turn cache statistics
@@ -27,7 +27,12 @@ redis:  ## the real redis-server the snapshot tests start (Debian package): inst
 		{ test "$$(id -u)" = 0 && apt-get update -qq && apt-get install -y -qq redis-server; } || \
 		echo "redis-server is missing and cannot be installed here: the Redis snapshot tests will skip"
 
-test: model redis
+chromium:  ## the headless browser of the dashboard test (Debian package): installed when missing and root
+	@command -v chromium >/dev/null || \
+		{ test "$$(id -u)" = 0 && apt-get update -qq && apt-get install -y -qq chromium; } || \
+		echo "chromium is missing and cannot be installed here: the dashboard's browser tests will skip"
+
+test: model redis chromium
 	$(BIN)/ruff check kiln tests bench peer
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-ts
@@ -63,6 +68,7 @@ bench: setup
 	$(BIN)/python bench/structured.py
 	$(BIN)/python bench/snapshot.py
 	$(BIN)/python bench/slow_clients.py
+	$(BIN)/python bench/dashboard.py
 
 proto: setup  ## regenerate the checked-in Python and TypeScript message modules from proto/kiln/v1/runtime.proto
 	$(BIN)/python proto/generate.py

@@ -106,19 +106,27 @@ def run_threads(scripts: list[list[list[int]]], first_turn, turn) -> dict[str, A
 
 
 def run_kiln(scripts: list[list[list[int]]], args: argparse.Namespace) -> dict[str, Any]:
+    server = servers.start(extra_args=["--max-num-seqs", str(max(32, len(scripts)))])
+    try:
+        return kiln_agents(server, scripts, args.gen_tokens)
+    finally:
+        server.stop()
+
+
+def kiln_agents(server: servers.Server, scripts: list[list[list[int]]], gen_tokens: int) -> dict[str, Any]:
+    """The agents against a running `kiln serve`, one gRPC session each (dashboard_screenshot.py watches them)."""
     from kiln.client import Client
 
-    server = servers.start(extra_args=["--max-num-seqs", str(max(32, len(scripts)))])
     clients = [Client(server.grpc_address) for _ in scripts]
     try:
         def first(i: int, ids: list[int]) -> Any:
             session = clients[i].create_session(ids)
-            list(session.generate(args.gen_tokens, ignore_eos=True))
+            list(session.generate(gen_tokens, ignore_eos=True))
             return session
 
         def turn(session: Any, ids: list[int]) -> list[int]:
             session.append(ids)
-            return list(session.generate(args.gen_tokens, ignore_eos=True))
+            return list(session.generate(gen_tokens, ignore_eos=True))
 
         result = run_threads(scripts, first, turn)
         proposed, accepted = (server.metric(f"kiln_spec_{n}_tokens_total") for n in ("proposed", "accepted"))
@@ -128,7 +136,6 @@ def run_kiln(scripts: list[list[list[int]]], args: argparse.Namespace) -> dict[s
     finally:
         for client in clients:
             client.close()
-        server.stop()
 
 
 def run_llamacpp(loaded: Any, scripts: list[list[list[int]]], args: argparse.Namespace) -> dict[str, Any]:

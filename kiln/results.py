@@ -59,6 +59,28 @@ class SessionInfo:
 
 
 @dataclass(frozen=True)
+class SessionTurn:
+    """One finished generate of a session, as the dashboard's drill-down plots it."""
+
+    finished_at: float  # unix seconds
+    prefilled_tokens: int
+    reused_tokens: int
+    generated_tokens: int
+    time_to_first_token_s: float | None
+    total_s: float
+
+
+@dataclass(frozen=True)
+class LiveSession:
+    """A session in memory with its owner and its last turns (SessionStore.survey, for the dashboard)."""
+
+    owner: str | None
+    info: SessionInfo
+    turns: tuple[SessionTurn, ...]
+    failed: bool
+
+
+@dataclass(frozen=True)
 class SnapshotInfo:
     """A checkpoint of a session (Session.snapshot)."""
 

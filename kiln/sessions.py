@@ -33,7 +33,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,7 +53,7 @@ from kiln.errors import (
     UnavailableError,
 )
 from kiln.kv.image import KVImage
-from kiln.results import OwnerUsage, SessionInfo, Usage
+from kiln.results import LiveSession, OwnerUsage, SessionInfo, SessionTurn, Usage
 from kiln.snapshots.manifest import SNAPSHOT_ID
 from kiln.snapshots.persistence import Known, MissingPagesError, Persistence, SessionCapture, StoredSession
 
@@ -64,6 +64,7 @@ MAX_TTL_S = 30 * 86400.0
 TOMBSTONES = 10_000  # ids of ended sessions remembered to explain a NOT_FOUND
 STOP_WAIT_S = 30.0  # how long close waits for the session's cancelled generate to end
 KEEPER_PERIOD_S = 5.0  # the keeper's pace when nothing wakes it
+TURNS_KEPT = 64  # a session's last turns, for the dashboard's drill-down
 
 
 @dataclass
@@ -80,6 +81,7 @@ class _Session:
     failure: InvariantViolation | None = None
     last_usage: Usage | None = None
     history_mark: int = 0  # INV-2: the history never gets shorter
+    turns: deque[SessionTurn] = field(default_factory=lambda: deque(maxlen=TURNS_KEPT))
 
 
 class SessionStore:
@@ -252,6 +254,8 @@ class SessionStore:
                 finish.saved(error)
         finally:
             with self.lock:
+                if session.active is not None:
+                    session.turns.append(_turn(session.active, event.usage))
                 session.active = None
                 session.last_usage = event.usage
                 self._touch(session)
@@ -280,6 +284,14 @@ class SessionStore:
             return live
         stored = [self._stored_info(s) for s in self.persistence.sessions(owner) if s.session_id not in listed]
         return live + stored
+
+    def survey(self, owner: str | None = None, *, everyone: bool = False) -> list[LiveSession]:
+        """The sessions in memory (`owner`'s, or everyone's), with owners and last turns: the dashboard's
+        table. The store lock is held only to copy the table; each session's K/V figures then take the
+        engine lock briefly, one session at a time, so a survey of thousands never stalls a step."""
+        with self.lock:  # the turns are copied under it: the engine thread appends to them under it
+            sessions = [(s, tuple(s.turns)) for s in self._sessions.values() if everyone or s.owner == owner]
+        return [LiveSession(s.owner, self._info(s), turns, s.failure is not None) for s, turns in sessions]
 
     def owner_usage(self, owner: str | None) -> OwnerUsage:
         """How many live sessions `owner` has and the bytes of their resident pages (per-key quotas)."""
@@ -733,6 +745,13 @@ class _Finish:
             ready = self._waiting == 0
         if ready:
             self._emit(self._event)
+
+
+def _turn(request: Request, usage: Usage) -> SessionTurn:
+    ended = time.perf_counter()
+    first = request.first_token_at
+    return SessionTurn(time.time(), usage.prefilled_tokens, usage.reused_tokens, usage.generated_tokens,
+                       None if first is None else first - request.submitted_at, ended - request.submitted_at)
 
 
 def _shown(session_id: object, limit: int = 64) -> str:

@@ -198,7 +198,7 @@ def reload_keys_soon(keys: ApiKeys, path: str) -> None:
 
 
 def try_it(options: ServeOptions, auth: bool) -> str:
-    """Three ways to talk to the server, printed once it is ready, each one the embedded base model does
+    """The dashboard's address, then three ways to talk to the server, printed once it is ready, each one the embedded base model does
     well: a completion (curl), a session whose turns reuse its cache (the Python SDK), chat and JSON of a
     bounded schema (the `openai` package). The scripts run as printed from the repository. With TLS,
     ca.pem stands for the CA that signed --tls-cert (and client.pem / client-key.pem for a client
@@ -209,7 +209,10 @@ def try_it(options: ServeOptions, auth: bool) -> str:
     header = ' -H "Authorization: Bearer $KILN_API_KEY"' if auth else ""
     sdk_key = ', api_key=os.environ["KILN_API_KEY"]' if auth else ""
     curl_tls, sdk_tls, openai_setup, openai_tls = _try_it_tls(options.tls)
+    dashboard = f"{http}/dashboard" + (" (it asks for an API key)" if auth else "")
     return f"""
+Dashboard (sessions, KV pages, prefix reuse, latency, snapshots; live): {dashboard}
+
 Try it (from the repository; a base model such as the embedded one continues text, and chat reaches it as a
 Q&A transcript, see --chat-format):
   curl -s{curl_tls} {http}/v1/completions -H 'Content-Type: application/json'{header} \\

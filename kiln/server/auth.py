@@ -10,7 +10,7 @@ opens a table (`[`), TOML:
     max_resident_kv_bytes = "512MiB"
     max_concurrent_generations = 2
     tokens_per_minute = 20000
-    admin = true                    # kept for the dashboard; grants nothing yet
+    admin = true                    # the dashboard shows this key every key's sessions
 
 In memory a key is only its SHA-256 digest; a presented key is hashed and compared digest against digest
 with hmac.compare_digest. A caller's identity is the first 32 hex digits of that digest: the same for a
@@ -112,6 +112,14 @@ class ApiKeys:
         """The limits of a caller (none for the anonymous caller or a key removed since it called)."""
         entry = self._keys.get(identity) if identity is not None else None
         return entry.limits if entry is not None else Limits()
+
+    def sees_all(self, identity: str | None) -> bool:
+        """Whether this caller may see every owner's sessions on the dashboard: an admin key, or anyone
+        when auth is off (every session is then the anonymous caller's)."""
+        if not self._keys:
+            return True
+        entry = self._keys.get(identity) if identity is not None else None
+        return entry is not None and entry.admin
 
     def identify(self, authorization: str | None, peer: str | None = None) -> str | None:
         """The caller's identity from an `Authorization` value; None when auth is off. Raises

@@ -1,6 +1,7 @@
 """The HTTP server: the OpenAI-compatible API (kiln/server/openai_api.py), REST sessions
 (kiln/server/rest.py), `GET /healthz`, `GET /metrics` and the OpenAPI document `GET /openapi.json`
-(kiln/server/openapi.py; authenticated like the API), all over one RuntimeService.
+(kiln/server/openapi.py; authenticated like the API) and the dashboard `GET /dashboard`
+(kiln/server/dashboard.py), all over one RuntimeService.
 
 Layers, outermost first: request metrics and the access log (every request, errors included, counted
 by route template and Kiln status name; kiln/server/access_log.py), the Host and Origin checks and CORS
@@ -22,6 +23,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.server.access_log import AccessLog
 from kiln.server.auth import ApiKeys
+from kiln.server.dashboard import DashboardRoutes
+from kiln.server.dashboard_state import DashboardState
 from kiln.server.http_auth import AuthMiddleware
 from kiln.server.http_errors import install_error_handlers, too_large_response
 from kiln.server.http_guard import HttpGuard
@@ -41,7 +44,9 @@ def build_http_app(service: RuntimeService, keys: ApiKeys, metrics: Metrics,
                   generate_unique_id_function=lambda route: route.name)  # operation ids: the handlers' names
     app.openapi = functools.partial(openapi_document, app)  # type: ignore[method-assign]
     install_error_handlers(app)
-    routers = [OpenAIRoutes(service, chat_format).router(), SessionRoutes(service).router(), _operations(service, metrics)]
+    dashboard = DashboardRoutes(keys, DashboardState(service.llm, service.health))
+    routers = [OpenAIRoutes(service, chat_format).router(), SessionRoutes(service).router(), _operations(service, metrics),
+               dashboard.router()]
     for router in routers:
         app.include_router(router)
     app.add_middleware(AuthMiddleware, keys=keys)
