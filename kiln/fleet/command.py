@@ -37,10 +37,10 @@ def run(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
                            replica_cpus=args.replica_cpus, ray_address=args.ray_address)
     engine_options = {k: v for k, v in engine_options.items() if k not in ("snapshot_store", "snapshot_dir")}
     spec = ReplicaSpec(args.model, args.snapshot_store, FLEET_LEASE_TTL_S, serve_options, engine_options)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     start_fleet(spec, options)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after Ray's start, which installs handlers of its own
+        signal.signal(sig, lambda *_: stop.set())
     print(f"kiln fleet: ready replicas={args.replicas} http=http://{args.host}:{args.http_port} "
           f"store={args.snapshot_store} ray={ray.get_runtime_context().gcs_address}", file=sys.stderr, flush=True)
     stop.wait()

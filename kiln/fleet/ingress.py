@@ -30,7 +30,7 @@ from kiln.server.http_errors import error_response
 ATTEMPTS = 5
 RETRY_PAUSE_S = 0.5
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
-_HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection"}  # the proxy writes its own
+_HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"x-request-id"}  # Serve's proxy writes its own
 
 app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # /openapi.json is the replicas' document
 
