@@ -65,3 +65,18 @@ def test_kiln_fleet_serves_and_hands_off_on_sigterm(servers_root, tmp_path):  # 
             process.kill()
             process.wait()
         redis.stop()
+
+
+def test_the_serve_config_builder_makes_the_fleet_application():
+    pytest.importorskip("ray.serve", reason="the fleet extra (ray[serve]) is not installed")
+    from ray.serve import Application
+
+    from kiln.errors import InvalidArgumentError
+    from kiln.fleet.app import application_from_args
+
+    assert isinstance(application_from_args({"snapshot_store": "redis://kiln-redis:6379/0", "replicas": "3",
+                                             "api_keys_file": "/etc/kiln/keys.toml"}), Application)
+    with pytest.raises(InvalidArgumentError, match="snapshot_store"):
+        application_from_args({"replicas": "2"})
+    with pytest.raises(InvalidArgumentError, match="Redis"):
+        application_from_args({"snapshot_store": "/var/kiln/snapshots"})
