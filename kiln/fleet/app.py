@@ -56,7 +56,7 @@ def fleet_application(spec: ReplicaSpec, replicas: int, replica_cpus: float) -> 
                                graceful_shutdown_timeout_s=30.0)
     ingress = serve.deployment(FleetIngress, name="FleetIngress", max_ongoing_requests=4 * MAX_ONGOING_PER_REPLICA,
                                ray_actor_options={"num_cpus": 0})
-    return ingress.bind(replica.bind(spec))
+    return ingress.bind(replica.bind(spec), spec.serve_options.max_request_bytes)
 
 
 def application_from_args(args: dict[str, str]) -> serve.Application:

@@ -25,7 +25,8 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from kiln.errors import UnavailableError
 from kiln.fleet.http_bridge import HttpRequest, ResponseHead
 from kiln.fleet.routing import route_for
-from kiln.server.http_errors import error_response
+from kiln.server.http_errors import error_response, too_large_response
+from kiln.server.service import MAX_REQUEST_BYTES
 
 ATTEMPTS = 5
 RETRY_PAUSE_S = 0.5
@@ -44,12 +45,18 @@ async def _pieces(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
 
 @serve.ingress(app)
 class FleetIngress:
-    def __init__(self, replicas: DeploymentHandle) -> None:
+    def __init__(self, replicas: DeploymentHandle, max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
         self.replicas = replicas.options(method_name="http", stream=True)
+        self.max_request_bytes = max_request_bytes
 
     @app.api_route("/{path:path}", methods=METHODS)
     async def forward(self, request: Request) -> Response:
-        body = await request.body()
+        body = bytearray()
+        async for chunk in request.stream():  # the replica checks the limit too; the ingress must not buffer past it
+            body += chunk
+            if len(body) > self.max_request_bytes:
+                return too_large_response(f"the request body is over {self.max_request_bytes} bytes")
+        body = bytes(body)
         client = (request.client.host, request.client.port) if request.client else None
         carried = HttpRequest(request.method, request.url.path, request.url.query.encode(),
                               tuple(request.headers.raw), body, client)

@@ -107,7 +107,7 @@ def test_a_shared_chat_opening_reaches_the_replica_that_holds_it(fleet: Fleet):
     assert replies[1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-def test_unknown_and_foreign_sessions_are_not_found(fleet: Fleet):
+def test_bad_input_gets_the_typed_errors_of_one_server(fleet: Fleet):
     with fleet.client(KEYS[0]) as mine, fleet.client(KEYS[1]) as theirs:
         session_id, _ = create(mine, PROMPT)
         for client, target in ((mine, "no-such-session"), (theirs, session_id)):
@@ -115,6 +115,8 @@ def test_unknown_and_foreign_sessions_are_not_found(fleet: Fleet):
             assert response.status_code == 404
             assert response.json()["error"]["code"] == "NOT_FOUND"
         assert mine.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        too_large = mine.post("/v1/completions", content=b"x" * (fleet.spec.serve_options.max_request_bytes + 1))
+        assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "RESOURCE_EXHAUSTED"
 
 
 def test_scaling_down_to_one_replica_drains_sessions_without_a_lost_turn(fleet: Fleet):
