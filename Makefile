@@ -4,11 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: run chat test test-ts peer-test fault fuzz soak bench lint setup model proto redis chromium clean
+.PHONY: run chat fleet test test-ts peer-test fault fuzz soak bench lint setup model proto redis chromium clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev]'
+	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,fleet]'
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 setup: $(STAMP)
@@ -18,6 +18,10 @@ model: setup  ## assemble and convert the embedded model (cached after the first
 
 run: model  ## serve the embedded model: gRPC on 127.0.0.1:50051, HTTP (OpenAI API, /dashboard) on 127.0.0.1:8000
 	$(BIN)/kiln serve
+
+fleet: model redis  ## two replicas on a local Ray Serve behind http://127.0.0.1:8000, sessions in a local redis-server (port 6390)
+	@redis-cli -p 6390 ping >/dev/null 2>&1 || redis-server --port 6390 --bind 127.0.0.1 --save '' --appendonly no --daemonize yes
+	$(BIN)/kiln fleet --replicas $${FLEET_REPLICAS:-2} --snapshot-store redis://127.0.0.1:6390/0
 
 chat: model  ## interactive chat in process, with per-turn cache statistics
 	$(BIN)/kiln chat

@@ -112,6 +112,11 @@ def _chat_format_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def _llm(args: argparse.Namespace) -> LLM:
+    return LLM(args.model, **engine_options(args))
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, object]:
+    """EngineConfig's keywords from the engine flags (_engine_args) that were set."""
     options: dict[str, object] = {
         "page_size": args.page_size,
         "dtype": args.dtype,
@@ -139,7 +144,7 @@ def _llm(args: argparse.Namespace) -> LLM:
     for name in ("quantization", "speculative"):  # "none" turns it off: None, unlike an unset flag
         if (value := getattr(args, name)) is not None:
             options[name] = None if value == "none" else value
-    return LLM(args.model, **options)
+    return options
 
 
 def _sampling_options(args: argparse.Namespace) -> dict[str, object]:
@@ -297,6 +302,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from kiln.fleet.command import run
+
+    return run(args, engine_options(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln: a session-native LLM inference runtime")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -366,6 +377,25 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--no-persist", action="store_true",
                        help=f"keep sessions in memory only (default: persist them in {default_directory()})")
     serve.set_defaults(run=cmd_serve)
+    fleet = commands.add_parser("fleet", help="serve N replicas on Ray Serve, each session routed to the replica that "
+                                "holds it (needs the fleet extra and a Redis snapshot store)",
+                                formatter_class=_DefaultsFormatter)
+    _engine_args(fleet)
+    fleet.add_argument("--replicas", type=int, default=2, help="engines, one per Ray Serve replica")
+    fleet.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs each replica reserves")
+    fleet.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster (auto: the running local one; default: start one when none runs)")
+    fleet.add_argument("--host", default="127.0.0.1", help="address of the fleet's HTTP port (Ray Serve's proxy)")
+    fleet.add_argument("--http-port", type=int, default=8000, help="the fleet's HTTP port (OpenAI API, REST)")
+    _chat_format_arg(fleet)
+    fleet.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
+    fleet.add_argument("--api-keys-file", default=None, help="API keys file, as kiln serve's (read by every replica)")
+    fleet.add_argument("--insecure-no-auth", action="store_true", help="allow a non-loopback bind without keys")
+    fleet.add_argument("--served-model-name", action="append", default=[],
+                       help="another id the OpenAI API accepts and lists for the model (repeatable)")
+    fleet.add_argument("--allowed-host", action="append", default=[],
+                       help="another Host name (or address) the HTTP API answers (repeatable), as kiln serve's")
+    fleet.set_defaults(run=cmd_fleet)
     add_snapshot_parser(commands)
     args = parser.parse_args(argv)
     try:

@@ -83,9 +83,14 @@ class EngineConfig:
     # This server's name among those sharing a snapshot store (kiln/snapshots/ownership.py): unique among
     # live ones; a restart under the same id takes over its sessions at once. None: random per LLM.
     instance_id: str | None = None
+    # How long a session's lease outlives its owner's last renewal (kiln/snapshots/ownership.py): how long
+    # the sessions of a server that died stay locked. None: LEASE_TTL_S; a fleet takes a shorter one.
+    lease_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         problems = []
+        if self.lease_ttl_s is not None and not 0 < self.lease_ttl_s < 3600:
+            problems.append(f"lease_ttl_s must be between 0 and 3600 seconds, got {self.lease_ttl_s}")
         for name in ("kv_budget_bytes", "max_num_seqs", "max_batched_tokens", "prefill_chunk_tokens", "max_sessions"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive")

@@ -56,7 +56,7 @@ class LLM:
 
     def _persistence(self, target: str) -> Persistence:
         store = open_store(target)
-        return Persistence(store, self.engine, Ownership(store, self.config.instance_id))
+        return Persistence(store, self.engine, Ownership(store, self.config.instance_id, self.config.lease_ttl_s))
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -123,23 +124,42 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
+@dataclass(frozen=True)
+class ServingStack:
+    """What both transports serve for one engine: keys, metrics, the service and the HTTP app. `kiln serve`
+    adds the gRPC server and uvicorn; a fleet replica (kiln/fleet/replica.py) calls the HTTP app in process."""
+
+    keys: ApiKeys
+    metrics: Metrics
+    service: RuntimeService
+    model_name: str
+    http_app: Callable
+
+    @classmethod
+    def build(cls, llm: LLM, options: ServeOptions) -> ServingStack:
+        keys = api_keys_for(options)
+        metrics = Metrics(llm)
+        metrics.watch_auth(keys.failures)
+        model_name = served_name(llm.loaded.config.name or llm.loaded.source.name)
+        service = RuntimeService(llm, model_name, options.served_model_names,
+                                 Quotas(keys.limits, llm.sessions.owner_usage), stall_timeout_s=options.stall_timeout_s)
+        # the constraint compiler's tokenizer index takes seconds on a large vocabulary: build it now, beside
+        # startup, rather than in the first structured-output request
+        loaded = llm.loaded
+        threading.Thread(target=_warm, args=(compiler_for(loaded.fingerprint, loaded.tokenizer, loaded.config.vocab_size),),
+                         name="kiln-grammar-warmup", daemon=True).start()
+        http_app = build_http_app(service, keys, metrics, options.max_request_bytes, options.http_guard(),
+                                  options.access_log, options.chat_format)
+        return cls(keys, metrics, service, model_name, http_app)
+
+
 async def serve_async(llm: LLM, options: ServeOptions) -> None:
-    keys = api_keys_for(options)
-    metrics = Metrics(llm)
-    metrics.watch_auth(keys.failures)
-    model_name = served_name(llm.loaded.config.name or llm.loaded.source.name)
-    service = RuntimeService(llm, model_name, options.served_model_names, Quotas(keys.limits, llm.sessions.owner_usage),
-                             stall_timeout_s=options.stall_timeout_s)
-    # the constraint compiler's tokenizer index takes seconds on a large vocabulary: build it now, beside
-    # startup, rather than in the first structured-output request
-    loaded = llm.loaded
-    threading.Thread(target=_warm, args=(compiler_for(loaded.fingerprint, loaded.tokenizer, loaded.config.vocab_size),),
-                     name="kiln-grammar-warmup", daemon=True).start()
+    stack = ServingStack.build(llm, options)
+    keys, metrics, service, model_name, http_app = (stack.keys, stack.metrics, stack.service, stack.model_name,
+                                                    stack.http_app)
     grpc_address = f"{options.host}:{options.grpc_port}"
     grpc_server = build_grpc_server(service, keys, metrics, grpc_address, options.max_request_bytes,
                                     tls=options.tls, access=options.access_log, limits=options.grpc_limits)
-    http_app = build_http_app(service, keys, metrics, options.max_request_bytes, options.http_guard(), options.access_log,
-                              options.chat_format)
     http = _Uvicorn(uvicorn.Config(http_app, host=options.host, port=options.http_port,
                                    log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
                                    **options.http_limits.uvicorn_kwargs(),

@@ -18,8 +18,9 @@ REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
 class RedisProcess:
-    def __init__(self, root: Path) -> None:
-        self.port = free_port()
+    def __init__(self, root: Path, port: int | None = None) -> None:
+        self.root = root
+        self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process = subprocess.Popen(
             [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(root), "--save", "",

@@ -1,0 +1,109 @@
+"""SessionRouter: Ray Serve's request router for the Kiln replicas (docs/architecture.md § Fleet).
+
+Ray Serve runs it inside each caller of the replicas' handle (the fleet's ingress) and asks it, per
+request, which replica should take it; the rules are kiln/fleet/routing.py's. A session's owner is read
+from its lease in the shared snapshot store, so the router keeps no state a restart could lose; it
+remembers the owners it saw only to keep resident sessions served while the store is unreachable.
+
+A session whose lease is held by a replica that is gone (killed, not yet replaced) is routed nowhere
+until that lease lapses (at most the fleet's lease TTL): routing it to another replica before then would
+only be refused (the session is live elsewhere), and waiting here keeps "one owner" true by construction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from kiln.errors import KilnError
+from kiln.fleet.routing import LoadReport, Route, least_loaded, replica_of_holder
+from kiln.snapshots.redis_store import RedisStore
+from kiln.snapshots.store import Lease
+
+logger = logging.getLogger(__name__)
+REMEMBERED = 100_000  # owners and prefixes remembered (least recently used go first)
+LAPSE_POLL_S = 0.2
+
+
+class SessionRouter(RequestRouter):
+    def initialize_state(self, snapshot_store: str = "", lease_ttl_s: float = 5.0, **kwargs: object) -> None:
+        self._store_url = snapshot_store
+        self._store: RedisStore | None = None  # connected on first use: the store may be down at start
+        self._lease_ttl_s = lease_ttl_s
+        self._owners: OrderedDict[str, str] = OrderedDict()  # session id -> replica id, last seen
+        self._prefixes: OrderedDict[str, str] = OrderedDict()  # prefix hash -> replica id that served it
+        self._placed: dict[str, int] = {}  # sessions placed on a replica since its last load report
+        self._reports: dict[str, dict] = {}
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        if not by_id:
+            return []
+        route = _route_of(pending_request)
+        if route.session_id is not None:
+            owner = await self._owner(route.session_id, set(by_id))
+            if owner is not None:
+                return [[by_id[owner]]]
+        elif route.prefix is not None and (holder := self._prefixes.get(route.prefix)) in by_id:
+            self._prefixes.move_to_end(route.prefix)
+            return [[by_id[holder]]]
+        chosen = least_loaded(sorted(by_id), self._load_reports(candidate_replicas), self._placed)
+        self._placed[chosen] = self._placed.get(chosen, 0) + 1
+        if route.prefix is not None:
+            _remember(self._prefixes, route.prefix, chosen)
+        return [[by_id[chosen]]]
+
+    async def _owner(self, session_id: str, live: set[str]) -> str | None:
+        """The live replica that owns the session; None when no replica does (a new owner may take it).
+        Waits out the lease of a replica that is gone, up to the lease TTL."""
+        deadline = time.monotonic() + self._lease_ttl_s + 1.0
+        while True:
+            try:
+                lease = await asyncio.to_thread(self._lease_of, session_id)
+            except KilnError as error:  # the store is unreachable: the owner it last had, if still live
+                logger.warning("fleet: session %s routed by its last known owner: %s", session_id, error)
+                known = self._owners.get(session_id)
+                return known if known in live else None
+            if lease is None:
+                return None
+            replica = replica_of_holder(lease.holder)
+            if replica in live:
+                _remember(self._owners, session_id, replica)
+                return replica
+            if time.monotonic() > deadline:
+                return None  # a holder that is not a fleet replica: the chosen one answers FAILED_PRECONDITION
+            await asyncio.sleep(LAPSE_POLL_S)
+
+    def _lease_of(self, session_id: str) -> Lease | None:
+        if self._store is None:
+            self._store = RedisStore(self._store_url)
+        return self._store.lease_of(session_id)
+
+    def _load_reports(self, replicas: list[RunningReplica]) -> dict[str, LoadReport | None]:
+        reports: dict[str, LoadReport | None] = {}
+        for replica in replicas:
+            unique_id, stats = replica.replica_id.unique_id, dict(replica.routing_stats or {})
+            if stats != self._reports.get(unique_id):  # a new report counts what was placed before it
+                self._reports[unique_id] = stats
+                self._placed[unique_id] = 0
+            reports[unique_id] = LoadReport(**{k: v for k, v in stats.items() if k != "reported_at"}) if stats else None
+        return reports
+
+
+def _route_of(pending_request: PendingRequest | None) -> Route:
+    """The Route the ingress passed as the call's first argument (kiln/fleet/ingress.py)."""
+    if pending_request is not None and pending_request.args and isinstance(pending_request.args[0], Route):
+        return pending_request.args[0]
+    return Route()
+
+
+def _remember(memory: OrderedDict[str, str], key: str, replica: str) -> None:
+    memory[key] = replica
+    memory.move_to_end(key)
+    while len(memory) > REMEMBERED:
+        memory.popitem(last=False)

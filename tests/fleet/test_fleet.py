@@ -1,0 +1,155 @@
+"""The fleet through its one HTTP address (real Ray Serve, two replicas, real redis-server): sessions spread
+over both replicas and every later turn is served by the owner, prefilling only its new tokens; a replica
+killed with SIGKILL loses no session (the next turn of each is restored on another replica and continues
+greedy-identically, one lease holder at a time); a shared chat opening reaches the replica that holds it;
+bad input gets the typed errors of one server, and a Redis outage refuses new sessions while resident ones
+keep serving. The tests share one fleet and run in file order: the outage test is last."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+pytest.importorskip("ray.serve", reason="the fleet extra (ray[serve]) is not installed")
+
+from kiln.fleet.replica import REPLICA_HEADER  # noqa: E402 - after the skip
+from kiln.fleet.routing import replica_of_holder  # noqa: E402
+from kiln.llm import LLM  # noqa: E402
+from kiln.snapshots.redis_store import RedisStore  # noqa: E402
+from tests.fleet.conftest import ENGINE, KEYS, Fleet  # noqa: E402
+from tests.snapshots.conftest import RedisProcess  # noqa: E402
+
+REPLICA = REPLICA_HEADER.decode()
+PROMPT = list(range(40, 72))
+N = 4
+GREEDY = {"max_tokens": N, "temperature": 0.0, "ignore_eos": True}
+
+
+def create(client, tokens: list[int]) -> tuple[str, str]:
+    """A new session through the fleet: (its id, the replica that created it)."""
+    response = client.post("/v1/sessions", json={"token_ids": tokens})
+    assert response.status_code == 201, response.text
+    return response.json()["session_id"], response.headers[REPLICA]
+
+
+def turn(client, session_id: str, new_tokens: list[int]) -> tuple[list[int], str, dict]:
+    """Append, generate greedily: (the generated ids, the replica that served it, the session's info after)."""
+    appended = client.post(f"/v1/sessions/{session_id}/tokens", json={"token_ids": new_tokens})
+    assert appended.status_code == 200, appended.text
+    generated = client.post(f"/v1/sessions/{session_id}/generate", json=GREEDY)
+    assert generated.status_code == 200, generated.text
+    assert generated.headers[REPLICA] == appended.headers[REPLICA]
+    return generated.json()["token_ids"], generated.headers[REPLICA], client.get(f"/v1/sessions/{session_id}").json()
+
+
+def wait_saved(client, session_id: str) -> None:
+    deadline = time.monotonic() + 30
+    while client.get(f"/v1/sessions/{session_id}").json()["unsaved_changes"]:
+        assert time.monotonic() < deadline, f"session {session_id} was never saved"
+        time.sleep(0.05)
+
+
+def replica_pids() -> dict[str, int]:
+    """Ray replica id -> process id of each live KilnReplica (from Ray's actor table)."""
+    from ray._private.state import actors
+
+    return {info["Name"].rsplit("#", 1)[-1]: info["Pid"] for info in actors().values()
+            if info["State"] == "ALIVE" and "#KilnReplica#" in info["Name"]}
+
+
+def test_sessions_spread_and_every_turn_is_served_by_its_owner(fleet: Fleet):
+    with fleet.client() as client:
+        sessions = [create(client, PROMPT[: 8 + i]) for i in range(20)]
+        assert len({replica for _, replica in sessions}) == 2, "the sessions all landed on one replica"
+        for session_id, owner in sessions:
+            assert turn(client, session_id, [7])[1] == owner
+            before = client.get(f"/v1/sessions/{session_id}").json()
+            _, served_by, info = turn(client, session_id, [8, 9, 10])
+            assert served_by == owner
+            # only what was not resident: the three appended tokens and the last turn's final token
+            assert info["last_prefill_tokens"] == before["history_tokens"] + 3 - before["computed_tokens"] <= 4
+
+
+def test_a_killed_replicas_sessions_continue_elsewhere_greedy_identically(fleet: Fleet):
+    with fleet.client() as client:
+        sessions = [create(client, PROMPT[: 10 + i]) for i in range(6)]
+        for session_id, _ in sessions:
+            turn(client, session_id, [5])
+            wait_saved(client, session_id)
+        victim = sessions[0][1]
+        owned = [session_id for session_id, replica in sessions if replica == victim]
+        histories = {s: client.get(f"/v1/sessions/{s}/tokens").json()["token_ids"] for s in owned}
+        os.kill(replica_pids()[victim], signal.SIGKILL)
+
+        store = RedisStore(fleet.redis.url)
+        with LLM(fleet.model, cache_dir=str(fleet.cache), **ENGINE) as reference:
+            for session_id in owned:
+                generated, served_by, _ = turn(client, session_id, [6])
+                assert served_by != victim
+                expected = reference.generate([*histories[session_id], 6], **GREEDY)[0].token_ids
+                assert generated == expected
+                lease = store.lease_of(session_id)
+                assert lease is not None and replica_of_holder(lease.holder) == served_by  # one owner, the server
+        store.close()
+
+
+def test_a_shared_chat_opening_reaches_the_replica_that_holds_it(fleet: Fleet):
+    system = {"role": "system", "content": "You answer in one word. " * 25}  # past the hashed opening
+    with fleet.client() as client:
+        replies = [client.post("/v1/chat/completions", json={
+            "model": "kiln", "max_tokens": 2, "temperature": 0,
+            "messages": [system, {"role": "user", "content": question}]}) for question in ("Red?", "Blue?")]
+    assert all(reply.status_code == 200 for reply in replies), replies[0].text
+    assert replies[0].headers[REPLICA] == replies[1].headers[REPLICA]
+    assert replies[1].json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_bad_input_gets_the_typed_errors_of_one_server(fleet: Fleet):
+    with fleet.client(KEYS[0]) as mine, fleet.client(KEYS[1]) as theirs:
+        session_id, _ = create(mine, PROMPT)
+        for client, target in ((mine, "no-such-session"), (theirs, session_id)):
+            response = client.post(f"/v1/sessions/{target}/generate", json=GREEDY)
+            assert response.status_code == 404
+            assert response.json()["error"]["code"] == "NOT_FOUND"
+        assert mine.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        too_large = mine.post("/v1/completions", content=b"x" * (fleet.spec.serve_options.max_request_bytes + 1))
+        assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "RESOURCE_EXHAUSTED"
+
+
+def test_scaling_down_to_one_replica_drains_sessions_without_a_lost_turn(fleet: Fleet):
+    from ray import serve
+
+    from kiln.fleet.app import APP_NAME, fleet_application
+
+    with fleet.client() as client:
+        sessions = [create(client, PROMPT[: 12 + i]) for i in range(4)]
+        for session_id, _ in sessions:
+            turn(client, session_id, [5])
+        histories = {s: client.get(f"/v1/sessions/{s}/tokens").json()["token_ids"] for s, _ in sessions}
+        serve.run(fleet_application(fleet.spec, 1, 0.5), name=APP_NAME)  # Ray stops one replica gracefully
+        with LLM(fleet.model, cache_dir=str(fleet.cache), **ENGINE) as reference:
+            for session_id, _ in sessions:
+                generated, _, info = turn(client, session_id, [6])
+                assert generated == reference.generate([*histories[session_id], 6], **GREEDY)[0].token_ids
+                assert info["history_tokens"] == len(histories[session_id]) + 1 + N  # every turn kept
+
+
+def test_redis_down_refuses_new_sessions_and_resident_ones_keep_serving(fleet: Fleet):
+    with fleet.client() as client:
+        session_id, owner = create(client, PROMPT)
+        turn(client, session_id, [3])  # the router has now seen its owner
+        fleet.redis.stop()
+        try:
+            refused = client.post("/v1/sessions", json={"token_ids": PROMPT})
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "UNAVAILABLE"
+            generated, served_by, _ = turn(client, session_id, [4])
+            assert served_by == owner and len(generated) == N
+        finally:  # back (empty) on its port, so the replicas' final saves end at once rather than retry
+            fleet.redis = RedisProcess(fleet.redis.root, fleet.redis.port)
+
+
+pytestmark = pytest.mark.timeout(300)
