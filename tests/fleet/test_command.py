@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 
 import httpx
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from kiln.snapshots.manifest import session_snapshot_id
 from kiln.snapshots.redis_store import RedisStore
 from tests.fleet.conftest import KEYS
-from tests.server.conftest import free_port, servers_root, tiny_model_dir  # noqa: F401 - a fixture shared with the server tests
+from tests.server.conftest import free_port, servers_root, tiny_model_dir, watch_log  # noqa: F401 - a fixture shared with the server tests
 from tests.snapshots.conftest import REDIS_SERVER, RedisProcess
 
 READY = "kiln fleet: ready"
@@ -35,15 +34,7 @@ def test_kiln_fleet_serves_and_hands_off_on_sigterm(servers_root, tmp_path):  # 
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                                env={**os.environ, "KILN_CACHE_DIR": str(servers_root / "cache")})
     log: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in process.stderr:
-            log.append(line)
-            if line.startswith(READY):
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    ready = watch_log(process, log, READY)
     try:
         assert ready.wait(180), "kiln fleet did not start:\n" + "".join(log)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {KEYS[0]}"},

@@ -79,21 +79,27 @@ def start_server(
     env.pop("KILN_API_KEY", None)
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     handle = ServerHandle(process, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}", vocab_size, api_keys)
-    ready = threading.Event()
-
-    def read_log() -> None:
-        for line in process.stderr:
-            handle.log.append(line)
-            if line.startswith(READY):
-                ready.set()
-
-    threading.Thread(target=read_log, daemon=True).start()
+    ready = watch_log(process, handle.log, READY)
     deadline = time.monotonic() + timeout
     while not ready.wait(0.1):
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             raise RuntimeError("kiln serve did not start:\n" + "".join(handle.log))
     return handle
+
+
+def watch_log(process: subprocess.Popen, log: list[str], ready_line: str) -> threading.Event:
+    """Collects `process`'s stderr into `log` on a thread; the event is set once a line starts with `ready_line`."""
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in process.stderr:
+            log.append(line)
+            if line.startswith(ready_line):
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return ready
 
 
 @pytest.fixture(scope="session")
