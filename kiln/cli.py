@@ -387,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="join this Ray cluster (auto: the running local one; default: start one when none runs)")
     fleet.add_argument("--host", default="127.0.0.1", help="address of the fleet's HTTP port (Ray Serve's proxy)")
     fleet.add_argument("--http-port", type=int, default=8000, help="the fleet's HTTP port (OpenAI API, REST)")
+    fleet.add_argument("--grpc-port", type=int, default=None,
+                       help="the fleet's gRPC port (the SDKs' kiln.v1.Runtime; Ray Serve's gRPC proxy, which listens "
+                       "on every interface, so it needs an API key or --insecure-no-auth); default: no gRPC")
     _chat_format_arg(fleet)
     fleet.add_argument("--api-key", action="append", default=[], help="accepted API key (repeatable)")
     fleet.add_argument("--api-keys-file", default=None, help="API keys file, as kiln serve's (read by every replica)")

@@ -23,6 +23,7 @@ from kiln.server.app import ServeOptions
 APP_NAME = "kiln"
 FLEET_LEASE_TTL_S = 5.0  # a dead replica's sessions move after at most this (kiln serve's default is 30 s)
 STATS_PERIOD_S = 1.0  # how often each replica reports its load to the router
+GRPC_SERVICER = "kiln.server.grpc.add_runtime_handlers"  # what Ray's gRPC proxy serves: kiln.v1.Runtime
 MAX_ONGOING_PER_REPLICA = 256  # streams in flight on one replica: the engine's scheduler queues the rest
 
 
@@ -31,6 +32,7 @@ class FleetOptions:
     replicas: int
     http_host: str = "127.0.0.1"
     http_port: int = 8000
+    grpc_port: int | None = None  # Ray Serve's gRPC proxy, serving kiln.v1.Runtime on every interface; None: off
     replica_cpus: float = 1.0  # Ray CPUs each replica reserves (its engine's threads: --threads)
     ray_address: str | None = None  # None: join a running local Ray, else start one
 
@@ -74,10 +76,12 @@ def application_from_args(args: dict[str, str]) -> serve.Application:
 
 
 def start_fleet(spec: ReplicaSpec, options: FleetOptions, runtime_env: dict | None = None) -> DeploymentHandle:
-    """Join (or start) Ray, start Serve's HTTP proxy on the fleet's address and deploy the fleet; returns once
-    every replica is up."""
+    """Join (or start) Ray, start Serve's HTTP and gRPC proxies on the fleet's addresses and deploy the fleet;
+    returns once every replica is up."""
     if not ray.is_initialized():
         ray.init(address=options.ray_address, runtime_env=runtime_env, include_dashboard=False,
                  log_to_driver=False)
-    serve.start(http_options={"host": options.http_host, "port": options.http_port})
+    grpc_options = None if options.grpc_port is None else {"port": options.grpc_port,
+                                                           "grpc_servicer_functions": [GRPC_SERVICER]}
+    serve.start(http_options={"host": options.http_host, "port": options.http_port}, grpc_options=grpc_options)
     return serve.run(fleet_application(spec, options.replicas, options.replica_cpus), name=APP_NAME)

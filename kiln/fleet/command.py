@@ -32,8 +32,12 @@ def run(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
         insecure_no_auth=args.insecure_no_auth, served_model_names=tuple(args.served_model_name),
         allowed_hosts=tuple(args.allowed_host), chat_format=args.chat_format,
         env={ENV_KEY: os.environ[ENV_KEY]} if os.environ.get(ENV_KEY) else {})  # the replicas' keys are the CLI's
-    api_keys_for(serve_options)  # refuse an unsafe bind before Ray starts anything
-    options = FleetOptions(replicas=args.replicas, http_host=args.host, http_port=args.http_port,
+    keys = api_keys_for(serve_options)  # refuse an unsafe bind before Ray starts anything
+    if args.grpc_port is not None and not keys.enabled and not args.insecure_no_auth:
+        raise InvalidArgumentError("Ray Serve's gRPC proxy listens on every interface, whatever --host says: "
+                                   "--grpc-port needs an API key (--api-key, --api-keys-file or KILN_API_KEY), or "
+                                   "--insecure-no-auth if the network is trusted", "grpc_port")
+    options = FleetOptions(replicas=args.replicas, http_host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                            replica_cpus=args.replica_cpus, ray_address=args.ray_address)
     engine_options = {k: v for k, v in engine_options.items() if k not in ("snapshot_store", "snapshot_dir")}
     spec = ReplicaSpec(args.model, args.snapshot_store, FLEET_LEASE_TTL_S, serve_options, engine_options)
@@ -41,7 +45,8 @@ def run(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after Ray's start, which installs handlers of its own
         signal.signal(sig, lambda *_: stop.set())
-    print(f"kiln fleet: ready replicas={args.replicas} http=http://{args.host}:{args.http_port} "
+    grpc = f" grpc=[::]:{args.grpc_port}" if args.grpc_port is not None else ""
+    print(f"kiln fleet: ready replicas={args.replicas} http=http://{args.host}:{args.http_port}{grpc} "
           f"store={args.snapshot_store} ray={ray.get_runtime_context().gcs_address}", file=sys.stderr, flush=True)
     stop.wait()
     print("kiln fleet: stopping (each replica saves and hands off its sessions)", file=sys.stderr, flush=True)

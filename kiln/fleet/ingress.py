@@ -1,10 +1,12 @@
-"""FleetIngress: the fleet's HTTP entry, a Ray Serve deployment behind Ray's HTTP proxy
+"""FleetIngress: the fleet's entry, a Ray Serve deployment behind Ray's HTTP and gRPC proxies
 (docs/architecture.md § Fleet).
 
-It reads only what routing needs from each request (kiln/fleet/routing.py: the session in the path, the
-opening of an OpenAI prompt), and hands the whole request, untouched, to the replicas' handle, whose
-SessionRouter (kiln/fleet/router.py) picks the replica. Everything else (Host and Origin checks, keys,
-quotas, errors) is the replica's, the same code as `kiln serve`, so a client sees one server.
+It reads only what routing needs from each request (kiln/fleet/routing.py: the session in the path or in
+the gRPC request, the opening of an OpenAI prompt), and hands the whole request, untouched, to the
+replicas' handle, whose SessionRouter (kiln/fleet/router.py) picks the replica. Everything else (Host and
+Origin checks, keys, quotas, errors) is the replica's, the same code as `kiln serve`, so a client sees one
+server. Ray's gRPC proxy calls the ingress's method of the RPC's name (one per method of the proto,
+added by `_with_runtime_methods`).
 
 A replica that died before answering (its process killed, not yet noticed by Ray) is retried on: nothing
 of the request ran to completion there, and the router now waits out or routes around the dead owner.
@@ -14,19 +16,23 @@ A request that had begun answering is never retried.
 """
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayActorError
+from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from kiln.errors import UnavailableError
+from kiln.fleet.grpc_bridge import Encoded, GrpcCall, GrpcStatus
 from kiln.fleet.http_bridge import HttpRequest, ResponseHead
-from kiln.fleet.routing import route_for
+from kiln.fleet.routing import Route, grpc_route, route_for
 from kiln.server.http_errors import error_response, too_large_response
 from kiln.server.service import MAX_REQUEST_BYTES
+from kiln.v1 import rpc
 
 ATTEMPTS = 5
 RETRY_PAUSE_S = 0.5
@@ -43,10 +49,79 @@ async def _pieces(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
         yield piece
 
 
+async def _open(replicas: DeploymentHandle, route: Route, request: object) -> tuple[object, DeploymentResponseGenerator]:
+    """A replica's stream for the request and its first piece, retried while the chosen replica turns out
+    dead before answering anything (nothing of the request ran to completion there)."""
+    for attempt in range(ATTEMPTS):
+        stream: DeploymentResponseGenerator = replicas.remote(route, request)
+        try:
+            return await stream.__anext__(), stream
+        except RayActorError as error:
+            if attempt == ATTEMPTS - 1:
+                raise UnavailableError(f"no replica could take the request: {error}") from None
+            await asyncio.sleep(RETRY_PAUSE_S)
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _ended(status: GrpcStatus, context: RayServegRPCContext) -> None:
+    """Give Ray's context the replica's status; a failed call is raised, and Ray's proxy answers the client
+    with the context's code and details."""
+    context.set_trailing_metadata(list(status.trailing_metadata))
+    if not status.ok:
+        context.set_code(grpc.StatusCode[status.code])
+        context.set_details(status.details)
+
+
+class _CallFailed(Exception):
+    """Ends a streaming call whose status was set on Ray's context: for a stream, Ray's proxy reads the
+    context's code only from an exception (its messages may have been sent already)."""
+
+
+def _call(method: str, request: bytes, context: RayServegRPCContext) -> GrpcCall:
+    return GrpcCall(method, request, tuple(context.invocation_metadata()), context.peer())
+
+
+def _unary_method(method: str) -> Callable:
+    async def call(self: "FleetIngress", request: bytes, grpc_context: RayServegRPCContext) -> Encoded:
+        response = Encoded(b"")  # an error's: the client reads the status only
+        async for piece in self.grpc(_call(method, request, grpc_context), grpc_context):
+            if isinstance(piece, GrpcStatus):
+                _ended(piece, grpc_context)
+            else:
+                response = Encoded(piece)
+        return response
+
+    call.__name__ = call.__qualname__ = method
+    return call
+
+
+def _streaming_method(method: str) -> Callable:
+    async def call(self: "FleetIngress", request: bytes, grpc_context: RayServegRPCContext) -> AsyncIterator[Encoded]:
+        async for piece in self.grpc(_call(method, request, grpc_context), grpc_context):
+            if isinstance(piece, GrpcStatus):
+                _ended(piece, grpc_context)
+                if not piece.ok:
+                    raise _CallFailed(piece.details)
+            else:
+                yield Encoded(piece)
+
+    call.__name__ = call.__qualname__ = method
+    return call
+
+
+def _with_runtime_methods(cls: type) -> type:
+    """One method per RPC of kiln.v1.Runtime, named as the proto names it: what Ray's gRPC proxy calls."""
+    for name, method in rpc.METHODS.items():
+        setattr(cls, name, (_streaming_method if method.server_streaming else _unary_method)(name))
+    return cls
+
+
 @serve.ingress(app)
+@_with_runtime_methods
 class FleetIngress:
     def __init__(self, replicas: DeploymentHandle, max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
-        self.replicas = replicas.options(method_name="http", stream=True)
+        self.http_replicas = replicas.options(method_name="http", stream=True)
+        self.grpc_replicas = replicas.options(method_name="grpc", stream=True)
         self.max_request_bytes = max_request_bytes
 
     @app.api_route("/{path:path}", methods=METHODS)
@@ -60,17 +135,23 @@ class FleetIngress:
         client = (request.client.host, request.client.port) if request.client else None
         carried = HttpRequest(request.method, request.url.path, request.url.query.encode(),
                               tuple(request.headers.raw), body, client)
-        route = route_for(request.method, carried.path, body)
-        for attempt in range(ATTEMPTS):
-            stream: DeploymentResponseGenerator = self.replicas.remote(route, carried)
-            try:
-                head: ResponseHead = await stream.__anext__()
-                break
-            except RayActorError as error:
-                if attempt == ATTEMPTS - 1:
-                    return error_response(UnavailableError(f"no replica could take the request: {error}"))
-                await asyncio.sleep(RETRY_PAUSE_S)
+        try:
+            head, stream = await _open(self.http_replicas, route_for(request.method, carried.path, body), carried)
+        except UnavailableError as error:
+            return error_response(error)
+        assert isinstance(head, ResponseHead)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers if k.lower() not in _HOP_HEADERS}
         if headers.get("content-type", "").startswith("text/event-stream"):
             return StreamingResponse(_pieces(stream), status_code=head.status, headers=headers)
         return Response(b"".join([piece async for piece in _pieces(stream)]), status_code=head.status, headers=headers)
+
+    async def grpc(self, call: GrpcCall, context: RayServegRPCContext) -> AsyncIterator[bytes | GrpcStatus]:
+        """One gRPC call on the replica its request routes to: its messages' bytes, then its status."""
+        try:
+            first, stream = await _open(self.grpc_replicas, grpc_route(call.method, call.request), call)
+        except UnavailableError as error:
+            yield GrpcStatus(grpc.StatusCode.UNAVAILABLE.name, str(error))
+            return
+        yield first
+        async for piece in stream:
+            yield piece

@@ -2,9 +2,9 @@
 
 Each replica is an LLM over the fleet's shared snapshot store, under the instance id `fleet-<Ray replica
 id>`, so the leases of the sessions it owns name it and the router (kiln/fleet/router.py) sends their
-turns here. It serves the same HTTP app as `kiln serve` (ServingStack: keys, quotas, the OpenAI API,
-REST, metrics), called in process for each request the ingress hands it (kiln/fleet/http_bridge.py),
-and tells the router its load every stats period.
+turns here. It serves the same HTTP app and gRPC servicer as `kiln serve` (ServingStack: keys, quotas, the OpenAI
+API, REST, the Runtime service, metrics), called in process for each request the ingress hands it
+(kiln/fleet/http_bridge.py, kiln/fleet/grpc_bridge.py), and tells the router its load every stats period.
 
 Ray restarts a replica whose health check fails (its engine died) or whose process is gone; on a graceful
 stop (scale-down, shutdown) Ray calls `__del__`, which saves every session and releases its lease (the
@@ -20,10 +20,12 @@ from dataclasses import asdict, dataclass, field
 from ray import serve
 
 from kiln.errors import UnavailableError
+from kiln.fleet.grpc_bridge import GrpcCall, GrpcStatus, call_servicer
 from kiln.fleet.http_bridge import HttpRequest, ResponseHead, call_asgi
 from kiln.fleet.routing import LoadReport, Route, instance_id_for
 from kiln.llm import LLM
 from kiln.server.app import ServeOptions, ServingStack
+from kiln.server.grpc import RuntimeServicer
 
 REPLICA_HEADER = b"x-kiln-replica"  # names the replica that answered, on every response through the fleet
 
@@ -45,11 +47,18 @@ class KilnReplica:
         self.llm = LLM(spec.model, snapshot_store=spec.snapshot_store, instance_id=instance_id_for(self.replica_id),
                        lease_ttl_s=spec.lease_ttl_s, **spec.engine_options)
         self.stack = ServingStack.build(self.llm, spec.serve_options)
+        self.servicer = RuntimeServicer(self.stack.service, self.stack.keys, self.stack.metrics,
+                                        spec.serve_options.access_log)
         self._header = ((REPLICA_HEADER, self.replica_id.encode()),)
 
     async def http(self, route: Route, request: HttpRequest) -> AsyncIterator[ResponseHead | bytes]:
         """One HTTP request, routed here by `route` (the router reads it; the app needs only the request)."""
         async for piece in call_asgi(self.stack.http_app, request, self._header):
+            yield piece
+
+    async def grpc(self, route: Route, call: GrpcCall) -> AsyncIterator[bytes | GrpcStatus]:
+        """One gRPC call, routed here by `route`: its response messages' bytes, then its status."""
+        async for piece in call_servicer(self.servicer, call):
             yield piece
 
     def record_routing_stats(self) -> dict[str, object]:

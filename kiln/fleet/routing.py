@@ -1,7 +1,7 @@
 """What the fleet routes by (docs/architecture.md § Fleet), kept apart from Ray so it is plain data:
 the Route the ingress derives from an HTTP request, each replica's load report, and the choices.
 
-- A request that names a session goes to the replica whose instance holds the session's lease.
+- A request (HTTP or gRPC) that names a session goes to the replica whose instance holds the session's lease.
 - Any other request (creating a session, restoring a snapshot, listing) goes to the least-loaded replica.
 - A stateless OpenAI request goes to the replica that last served the same opening (a hash of the first
   PREFIX_CHARS characters of its prompt: the pages a prefix cache would hold), else the least-loaded.
@@ -14,6 +14,10 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from kiln.v1 import rpc
 
 PREFIX_CHARS = 512  # the opening hashed: a few pages of prompt, shared by requests with one system prompt
 INSTANCE_PREFIX = "fleet-"  # a replica's instance id in the snapshot store: fleet-<Ray replica id>
@@ -57,6 +61,18 @@ def route_for(method: str, path: str, body: bytes) -> Route:
     if method == "POST" and path in _STATELESS_PATHS:
         return Route(prefix=prefix_hash(body))
     return Route()
+
+
+def grpc_route(method: str, request: bytes) -> Route:
+    """The Route of a gRPC call to the fleet: by the session its request names. A malformed request or an
+    unknown method goes to the least loaded, whose servicer answers it with the error one server gives."""
+    if method not in rpc.METHODS or "session_id" not in rpc.request_type(method).DESCRIPTOR.fields_by_name:
+        return Route()
+    try:
+        session_id = rpc.request_type(method).FromString(request).session_id
+    except DecodeError:
+        return Route()
+    return Route(session_id=session_id or None)
 
 
 def prefix_hash(body: bytes) -> str | None:

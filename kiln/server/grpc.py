@@ -63,8 +63,7 @@ def build_grpc_server(service: RuntimeService, keys: ApiKeys, metrics: Metrics, 
     only TLS (kiln/server/tls.py). `limits` (kiln/server/grpc_limits.py) caps calls, streams and connections."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_request_bytes),
                                       *limits.channel_options()], maximum_concurrent_rpcs=limits.rpc_limit)
-    handlers = _method_handlers(RuntimeServicer(service, keys, metrics, access))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(rpc.SERVICE.full_name, handlers),))
+    add_runtime_handlers(RuntimeServicer(service, keys, metrics, access), server)
     if tls is None:
         server.add_insecure_port(address)
     else:
@@ -72,15 +71,17 @@ def build_grpc_server(service: RuntimeService, keys: ApiKeys, metrics: Metrics, 
     return server
 
 
-def _method_handlers(servicer: RuntimeServicer) -> dict[str, grpc.RpcMethodHandler]:
-    """One handler per method of the proto. Each receives its request as raw bytes: gRPC's own
-    deserializer would answer a malformed message with UNKNOWN before Kiln sees the call
-    (unauthenticated, uncounted), so the servicer parses it inside its call frame instead."""
+def add_runtime_handlers(servicer: object, server: grpc.aio.Server) -> None:
+    """One handler per method of the proto, `servicer`'s method of that name. Each receives its request
+    as raw bytes: gRPC's own deserializer would answer a malformed message with UNKNOWN before Kiln sees
+    the call (unauthenticated, uncounted), so the servicer parses it inside its call frame instead. It
+    has the shape of protoc's `add_<Service>Servicer_to_server`, which the fleet's gRPC proxy needs
+    (kiln/fleet/app.py)."""
     handlers = {}
     for name, method in rpc.METHODS.items():
         kind = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[name] = kind(getattr(servicer, name), response_serializer=rpc.response_type(name).SerializeToString)
-    return handlers
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(rpc.SERVICE.full_name, handlers),))
 
 
 def _parse(method: str, request: bytes) -> Message:

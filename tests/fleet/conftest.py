@@ -1,5 +1,6 @@
 """One fleet per module: a real Ray (started once, 2 CPUs), two KilnReplicas over a tiny model, and a real
-`redis-server` as their shared snapshot store, all on free loopback ports."""
+`redis-server` as their shared snapshot store, all on free loopback ports (Ray Serve's gRPC proxy binds
+its free port on every interface)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ ENGINE = {"speculative": None, "deterministic": True, "num_threads": 1, "kv_budg
 @dataclass
 class Fleet:
     url: str
+    grpc_address: str  # Ray Serve's gRPC proxy: kiln.v1.Runtime, for the SDKs
     redis: RedisProcess
     model: str
     cache: Path
@@ -47,13 +49,13 @@ def fleet(servers_root, tmp_path_factory) -> Iterator[Fleet]:  # noqa: F811 - th
     model, cache = str(tiny_model_dir(servers_root, "llama")), servers_root / "cache"
     redis = RedisProcess(tmp_path_factory.mktemp("fleet-redis"))
     spec = ReplicaSpec(model, redis.url, lease_ttl_s=3.0, serve_options=ServeOptions(api_keys=KEYS), engine_options=ENGINE)
-    port = free_port()
-    handle = Fleet(f"http://127.0.0.1:{port}", redis, model, cache, spec)
+    port, grpc_port = free_port(), free_port()
+    handle = Fleet(f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", redis, model, cache, spec)
     previous = os.environ.get("KILN_CACHE_DIR")
     os.environ["KILN_CACHE_DIR"] = str(cache)  # Ray's workers inherit the driver's environment
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        start_fleet(spec, FleetOptions(replicas=2, http_port=port, replica_cpus=0.5))
+        start_fleet(spec, FleetOptions(replicas=2, http_port=port, grpc_port=grpc_port, replica_cpus=0.5))
         yield handle
     finally:
         serve.shutdown()

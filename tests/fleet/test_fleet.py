@@ -1,5 +1,6 @@
-"""The fleet through its one HTTP address (real Ray Serve, two replicas, real redis-server): sessions spread
-over both replicas and every later turn is served by the owner, prefilling only its new tokens; a replica
+"""The fleet through its HTTP and gRPC addresses (real Ray Serve, two replicas, real redis-server): sessions
+spread over both replicas and every later turn is served by the owner, prefilling only its new tokens (the
+Python SDK and the `openai` package unchanged against the fleet's addresses); a replica
 killed with SIGKILL loses no session (the next turn of each is restored on another replica and continues
 greedy-identically, one lease holder at a time); a shared chat opening reaches the replica that holds it;
 bad input gets the typed errors of one server, and a Redis outage refuses new sessions while resident ones
@@ -15,7 +16,15 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the fleet extra (ray[serve]) is not installed")
 
-from kiln.fleet.replica import REPLICA_HEADER  # noqa: E402 - after the skip
+from kiln.client import Client, Session  # noqa: E402 - after the skip
+from kiln.errors import (  # noqa: E402
+    CancelledError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnauthenticatedError,
+)
+from kiln.fleet.replica import REPLICA_HEADER  # noqa: E402
 from kiln.fleet.routing import replica_of_holder  # noqa: E402
 from kiln.llm import LLM  # noqa: E402
 from kiln.snapshots.redis_store import RedisStore  # noqa: E402
@@ -25,6 +34,7 @@ from tests.snapshots.conftest import RedisProcess  # noqa: E402
 REPLICA = REPLICA_HEADER.decode()
 PROMPT = list(range(40, 72))
 N = 4
+LONG = 400  # max_tokens of a generation still running when a test cancels it
 GREEDY = {"max_tokens": N, "temperature": 0.0, "ignore_eos": True}
 
 
@@ -71,6 +81,76 @@ def test_sessions_spread_and_every_turn_is_served_by_its_owner(fleet: Fleet):
             assert served_by == owner
             # only what was not resident: the three appended tokens and the last turn's final token
             assert info["last_prefill_tokens"] == before["history_tokens"] + 3 - before["computed_tokens"] <= 4
+
+
+def owner_of(store: RedisStore, session_id: str) -> str | None:
+    """The replica whose lease holds the session (the one every turn of it is routed to)."""
+    lease = store.lease_of(session_id)
+    return None if lease is None else replica_of_holder(lease.holder)
+
+
+def test_the_python_sdk_works_unchanged_through_the_fleets_grpc_address(fleet: Fleet):
+    store = RedisStore(fleet.redis.url)
+    with Client(fleet.grpc_address, api_key=KEYS[0]) as client:
+        sessions = [client.create_session(PROMPT[: 8 + i]) for i in range(8)]
+        owners = {session.id: owner_of(store, session.id) for session in sessions}
+        assert len(set(owners.values())) == 2, f"the sessions did not spread over both replicas: {owners}"
+        for session in sessions:
+            session.append([7])
+            assert len(list(session.generate(N, ignore_eos=True))) == N  # streamed token by token
+            before = session.info()
+            session.append([8, 9, 10])
+            assert session.generate(N, ignore_eos=True).result().usage.generated_tokens == N
+            info = session.info()
+            assert owner_of(store, session.id) == owners[session.id]  # the owner served it: no lease moved
+            assert info.last_prefill_tokens == before.history_tokens + 3 - before.computed_tokens <= 4
+    store.close()
+
+
+def test_grpc_through_the_fleet_gives_the_typed_errors_of_one_server(fleet: Fleet):
+    with Client(fleet.grpc_address, api_key=KEYS[0]) as mine, Client(fleet.grpc_address, api_key=KEYS[1]) as theirs:
+        session = mine.create_session(PROMPT)
+        with pytest.raises(NotFoundError):
+            mine.get_session("no-such-session")
+        with pytest.raises(NotFoundError):  # another key's session is not there at all
+            theirs.get_session(session.id)
+        with pytest.raises(NotFoundError):  # a refused stream, too
+            Session(theirs, session.id).generate(N)
+        with pytest.raises(InvalidArgumentError):
+            session.generate(N, temperature=-1.0)
+        running = session.generate(LONG, ignore_eos=True)
+        with pytest.raises(FailedPreconditionError, match="in flight"):
+            session.append([1])
+        running.cancel()
+    with Client(fleet.grpc_address, api_key="wrong") as stranger, pytest.raises(UnauthenticatedError):
+        stranger.list_sessions()
+
+
+def test_cancelling_a_grpc_generate_through_the_fleet_stops_it(fleet: Fleet):
+    with Client(fleet.grpc_address, api_key=KEYS[0]) as client:
+        session = client.create_session(PROMPT)
+        generation = session.generate(LONG, ignore_eos=True)
+        received = [next(generation), next(generation)]
+        generation.cancel()  # returns once the replica freed the session
+        assert generation.token_ids[:2] == received
+        with pytest.raises(CancelledError):
+            generation.result()
+        info = session.info()
+        assert not info.generating and len(PROMPT) + 2 <= info.history_tokens < len(PROMPT) + LONG
+        assert session.generate(3, ignore_eos=True).result().usage.generated_tokens == 3
+
+
+def test_the_openai_package_works_unchanged_against_the_fleet(fleet: Fleet):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key=KEYS[0], max_retries=0)
+    reply = client.chat.completions.create(model="kiln", max_tokens=3, temperature=0,
+                                           messages=[{"role": "user", "content": "Hello?"}])
+    assert reply.choices[0].message.content is not None and reply.usage.completion_tokens == 3
+    streamed = client.completions.create(model="kiln", prompt="Once", max_tokens=3, temperature=0, stream=True)
+    assert sum(1 for chunk in streamed if chunk.choices and chunk.choices[0].text) >= 1
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="wrong", max_retries=0).models.list()
 
 
 def test_a_killed_replicas_sessions_continue_elsewhere_greedy_identically(fleet: Fleet):
