@@ -14,6 +14,8 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+REPLICA_HEADER = b"x-kiln-replica"  # names the replica that answered, on every response through the fleet
+
 
 @dataclass(frozen=True)
 class HttpRequest:

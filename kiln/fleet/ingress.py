@@ -17,6 +17,7 @@ A request that had begun answering is never retried.
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 
 import grpc
 from fastapi import FastAPI, Request
@@ -28,7 +29,8 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from kiln.errors import UnavailableError
 from kiln.fleet.grpc_bridge import Encoded, GrpcCall, GrpcStatus
-from kiln.fleet.http_bridge import HttpRequest, ResponseHead
+from kiln.fleet.http_bridge import REPLICA_HEADER, HttpRequest, ResponseHead
+from kiln.fleet.metrics import merge_metrics
 from kiln.fleet.routing import Route, grpc_route, route_for
 from kiln.server.http_errors import error_response, too_large_response
 from kiln.server.service import MAX_REQUEST_BYTES
@@ -37,6 +39,7 @@ from kiln.v1 import rpc
 ATTEMPTS = 5
 RETRY_PAUSE_S = 0.5
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+REPLICA = REPLICA_HEADER.decode()
 _HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"x-request-id"}  # Serve's proxy writes its own
 
 app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # /openapi.json is the replicas' document
@@ -61,6 +64,10 @@ async def _open(replicas: DeploymentHandle, route: Route, request: object) -> tu
                 raise UnavailableError(f"no replica could take the request: {error}") from None
             await asyncio.sleep(RETRY_PAUSE_S)
     raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _headers(head: ResponseHead) -> dict[str, str]:
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers if k.lower() not in _HOP_HEADERS}
 
 
 def _ended(status: GrpcStatus, context: RayServegRPCContext) -> None:
@@ -135,15 +142,31 @@ class FleetIngress:
         client = (request.client.host, request.client.port) if request.client else None
         carried = HttpRequest(request.method, request.url.path, request.url.query.encode(),
                               tuple(request.headers.raw), body, client)
+        route = route_for(request.method, carried.path, body)
         try:
-            head, stream = await _open(self.http_replicas, route_for(request.method, carried.path, body), carried)
+            if route.every_replica:
+                return await self._every_replicas_metrics(route, carried)
+            head, stream = await _open(self.http_replicas, route, carried)
         except UnavailableError as error:
             return error_response(error)
-        assert isinstance(head, ResponseHead)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers if k.lower() not in _HOP_HEADERS}
+        headers = _headers(head)
         if headers.get("content-type", "").startswith("text/event-stream"):
             return StreamingResponse(_pieces(stream), status_code=head.status, headers=headers)
         return Response(b"".join([piece async for piece in _pieces(stream)]), status_code=head.status, headers=headers)
+
+    async def _every_replicas_metrics(self, route: Route, request: HttpRequest) -> Response:
+        """GET /metrics of each replica in turn (kiln/fleet/routing.py), merged: the aggregate and each
+        replica's series. A replica's refusal (its Host check) is answered as it gave it."""
+        texts: dict[str, str] = {}
+        while True:
+            head, stream = await _open(self.http_replicas, replace(route, asked=frozenset(texts)), request)
+            body = b"".join([piece async for piece in _pieces(stream)])
+            headers = _headers(head)
+            if head.status != 200:
+                return Response(body, status_code=head.status, headers=headers)
+            if (replica := headers[REPLICA]) in texts:
+                return Response(merge_metrics(texts), media_type=headers["content-type"])
+            texts[replica] = body.decode()
 
     async def grpc(self, call: GrpcCall, context: RayServegRPCContext) -> AsyncIterator[bytes | GrpcStatus]:
         """One gRPC call on the replica its request routes to: its messages' bytes, then its status."""

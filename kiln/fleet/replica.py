@@ -21,13 +21,11 @@ from ray import serve
 
 from kiln.errors import UnavailableError
 from kiln.fleet.grpc_bridge import GrpcCall, GrpcStatus, call_servicer
-from kiln.fleet.http_bridge import HttpRequest, ResponseHead, call_asgi
+from kiln.fleet.http_bridge import REPLICA_HEADER, HttpRequest, ResponseHead, call_asgi
 from kiln.fleet.routing import LoadReport, Route, instance_id_for
 from kiln.llm import LLM
 from kiln.server.app import ServeOptions, ServingStack
 from kiln.server.grpc import RuntimeServicer
-
-REPLICA_HEADER = b"x-kiln-replica"  # names the replica that answered, on every response through the fleet
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from kiln.errors import KilnError
-from kiln.fleet.routing import LoadReport, Route, least_loaded, replica_of_holder
+from kiln.fleet.routing import LoadReport, Route, least_loaded, next_unasked, replica_of_holder
 from kiln.snapshots.redis_store import RedisStore
 from kiln.snapshots.store import Lease
 
@@ -45,6 +45,8 @@ class SessionRouter(RequestRouter):
         if not by_id:
             return []
         route = _route_of(pending_request)
+        if route.every_replica:
+            return [[by_id[next_unasked(list(by_id), route.asked)]]]
         if route.session_id is not None:
             owner = await self._owner(route.session_id, set(by_id))
             if owner is not None:

@@ -3,6 +3,8 @@ the Route the ingress derives from an HTTP request, each replica's load report, 
 
 - A request (HTTP or gRPC) that names a session goes to the replica whose instance holds the session's lease.
 - Any other request (creating a session, restoring a snapshot, listing) goes to the least-loaded replica.
+- GET /metrics goes to every replica in turn (the ingress merges their answers: kiln/fleet/metrics.py):
+  each call to a replica not yet asked, then one more to any, whose repeated id says all were asked.
 - A stateless OpenAI request goes to the replica that last served the same opening (a hash of the first
   PREFIX_CHARS characters of its prompt: the pages a prefix cache would hold), else the least-loaded.
 """
@@ -23,14 +25,18 @@ PREFIX_CHARS = 512  # the opening hashed: a few pages of prompt, shared by reque
 INSTANCE_PREFIX = "fleet-"  # a replica's instance id in the snapshot store: fleet-<Ray replica id>
 _SESSION_PATH = re.compile(r"^/v1/sessions/([^/]+)(?:/.*)?$")
 _STATELESS_PATHS = ("/v1/chat/completions", "/v1/completions")
+METRICS_PATH = "/metrics"
 
 
 @dataclass(frozen=True)
 class Route:
-    """How one request is routed: by `session_id`, by `prefix` (a hash), or to the least loaded."""
+    """How one request is routed: by `session_id`, by `prefix` (a hash), to each replica (`every_replica`:
+    one not in `asked`), or to the least loaded."""
 
     session_id: str | None = None
     prefix: str | None = None
+    every_replica: bool = False
+    asked: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,8 @@ def route_for(method: str, path: str, body: bytes) -> Route:
     """The Route of an HTTP request to the fleet (its path and, for the OpenAI API, its prompt)."""
     if match := _SESSION_PATH.match(path):
         return Route(session_id=match.group(1))
+    if method == "GET" and path == METRICS_PATH:
+        return Route(every_replica=True)
     if method == "POST" and path in _STATELESS_PATHS:
         return Route(prefix=prefix_hash(body))
     return Route()
@@ -90,6 +98,12 @@ def prefix_hash(body: bytes) -> str | None:
     else:
         return None
     return hashlib.sha256(opening[:PREFIX_CHARS].encode()).hexdigest()[:32]
+
+
+def next_unasked(replicas: Sequence[str], asked: frozenset[str]) -> str:
+    """The first replica (by id) not yet asked; once all were, the first of all (its id repeats)."""
+    ordered = sorted(replicas)
+    return next((replica for replica in ordered if replica not in asked), ordered[0])
 
 
 def least_loaded(replicas: Sequence[str], reports: Mapping[str, LoadReport | None],

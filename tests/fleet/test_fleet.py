@@ -24,7 +24,7 @@ from kiln.errors import (  # noqa: E402
     NotFoundError,
     UnauthenticatedError,
 )
-from kiln.fleet.replica import REPLICA_HEADER  # noqa: E402
+from kiln.fleet.http_bridge import REPLICA_HEADER  # noqa: E402
 from kiln.fleet.routing import replica_of_holder  # noqa: E402
 from kiln.llm import LLM  # noqa: E402
 from kiln.snapshots.redis_store import RedisStore  # noqa: E402
@@ -34,7 +34,7 @@ from tests.snapshots.conftest import RedisProcess  # noqa: E402
 REPLICA = REPLICA_HEADER.decode()
 PROMPT = list(range(40, 72))
 N = 4
-LONG = 400  # max_tokens of a generation still running when a test cancels it
+LONG = 900  # max_tokens of a generation still running when cancelled (~1000 tokens/s here; context 1024)
 GREEDY = {"max_tokens": N, "temperature": 0.0, "ignore_eos": True}
 
 
@@ -127,17 +127,25 @@ def test_grpc_through_the_fleet_gives_the_typed_errors_of_one_server(fleet: Flee
 
 
 def test_cancelling_a_grpc_generate_through_the_fleet_stops_it(fleet: Fleet):
+    """Ray Serve's gRPC proxy passes a client's cancel on only when it lands while the proxy awaits the next
+    message; one landing while it writes a message is lost and the generation runs to its end (measured:
+    2 of 12 at this tiny model's ~1000 tokens/s; docs/architecture.md § Fleet). So: some of a few tries stop
+    early, and every cancel returns with the session free for the next generate."""
     with Client(fleet.grpc_address, api_key=KEYS[0]) as client:
-        session = client.create_session(PROMPT)
-        generation = session.generate(LONG, ignore_eos=True)
-        received = [next(generation), next(generation)]
-        generation.cancel()  # returns once the replica freed the session
-        assert generation.token_ids[:2] == received
-        with pytest.raises(CancelledError):
-            generation.result()
-        info = session.info()
-        assert not info.generating and len(PROMPT) + 2 <= info.history_tokens < len(PROMPT) + LONG
-        assert session.generate(3, ignore_eos=True).result().usage.generated_tokens == 3
+        histories = []
+        for _ in range(5):
+            session = client.create_session(PROMPT)
+            generation = session.generate(LONG, ignore_eos=True)
+            received = [next(generation), next(generation)]
+            generation.cancel()  # returns once the replica freed the session
+            assert generation.token_ids[:2] == received
+            with pytest.raises(CancelledError):
+                generation.result()
+            info = session.info()
+            assert not info.generating
+            histories.append(info.history_tokens)
+            assert session.generate(3, ignore_eos=True).result().usage.generated_tokens == 3
+        assert min(histories) < len(PROMPT) + LONG, f"no cancel reached the replica: {histories}"
 
 
 def test_the_openai_package_works_unchanged_against_the_fleet(fleet: Fleet):
@@ -151,6 +159,26 @@ def test_the_openai_package_works_unchanged_against_the_fleet(fleet: Fleet):
     assert sum(1 for chunk in streamed if chunk.choices and chunk.choices[0].text) >= 1
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_metrics_give_the_fleets_aggregate_and_each_replicas_series(fleet: Fleet):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with fleet.client() as client:
+        response = client.get("/metrics")
+    assert response.status_code == 200, response.text
+    families = {family.name: family for family in text_string_to_metric_families(response.text)}
+    for name in ("kiln_sessions_active", "kiln_requests"):  # one HELP and one TYPE per family
+        typed = name + ("_total" if name == "kiln_requests" else "")
+        assert response.text.count(f"# TYPE {typed} ") == 1 and response.text.count(f"# HELP {typed} ") == 1
+    active = families["kiln_sessions_active"].samples
+    per_replica = {sample.labels["replica"]: sample.value for sample in active if "replica" in sample.labels}
+    assert len(per_replica) == 2 and all(value > 0 for value in per_replica.values())  # earlier tests' sessions
+    assert [sample.value for sample in active if "replica" not in sample.labels] == [sum(per_replica.values())]
+    created = [sample for sample in families["kiln_requests"].samples
+               if sample.labels.get("route") == "http/v1/sessions" and sample.labels["status"] == "OK"]
+    total = next(sample.value for sample in created if "replica" not in sample.labels)
+    assert total == sum(sample.value for sample in created if "replica" in sample.labels) >= 20
 
 
 def test_a_killed_replicas_sessions_continue_elsewhere_greedy_identically(fleet: Fleet):

@@ -1,5 +1,6 @@
-"""The fleet's routing rules as data (kiln/fleet/routing.py), without Ray: which requests are routed by
-session, by prompt opening or by load, and how the least-loaded replica is chosen."""
+"""The fleet's routing rules as data (kiln/fleet/routing.py), without Ray: which requests (HTTP and gRPC)
+are routed by session, by prompt opening, to every replica or by load, and how the least-loaded replica
+is chosen."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ from kiln.fleet.routing import (
     PREFIX_CHARS,
     LoadReport,
     Route,
+    grpc_route,
     instance_id_for,
     least_loaded,
+    next_unasked,
     replica_of_holder,
     route_for,
 )
+from kiln.v1 import runtime_pb2 as pb
 
 
 def chat(system: str, question: str) -> bytes:
@@ -53,3 +57,23 @@ def test_least_loaded_counts_kv_running_and_what_was_placed_since_the_report():
     idle = {"a": report(0, 0), "b": report(0, 0)}
     assert least_loaded(["a", "b"], idle, {"a": 1}) == "b"  # a burst of creates alternates
     assert least_loaded(["a", "b"], {"a": report(0, 0), "b": None}, {"b": 2}) == "a"
+
+
+def test_grpc_calls_route_by_the_session_their_request_names():
+    generate = pb.GenerateRequest(session_id="abc", max_tokens=3).SerializeToString()
+    assert grpc_route("Generate", generate) == Route(session_id="abc")
+    assert grpc_route("AppendTokens", pb.AppendTokensRequest(session_id="s1").SerializeToString()) == Route(session_id="s1")
+    assert grpc_route("CreateSession", pb.CreateSessionRequest(token_ids=[1]).SerializeToString()) == Route()
+    assert grpc_route("RestoreSession", pb.RestoreSessionRequest(snapshot_id="x").SerializeToString()) == Route()
+    assert grpc_route("Generate", b"\xff\xff") == Route()  # malformed: the replica answers INVALID_ARGUMENT
+    assert grpc_route("GetSessionInfo", b"") == Route()  # no id: the replica answers INVALID_ARGUMENT
+    assert grpc_route("NoSuchMethod", generate) == Route()
+
+
+def test_metrics_go_to_every_replica_in_turn():
+    assert route_for("GET", "/metrics", b"") == Route(every_replica=True)
+    replicas = ["b", "a", "c"]
+    asked: list[str] = []
+    while (replica := next_unasked(replicas, frozenset(asked))) not in asked:
+        asked.append(replica)
+    assert asked == ["a", "b", "c"]
