@@ -5,9 +5,14 @@ request, which replica should take it; the rules are kiln/fleet/routing.py's. A 
 from its lease in the shared snapshot store, so the router keeps no state a restart could lose; it
 remembers the owners it saw only to keep resident sessions served while the store is unreachable.
 
-A session whose lease is held by a replica that is gone (killed, not yet replaced) is routed nowhere
-until that lease lapses (at most the fleet's lease TTL): routing it to another replica before then would
-only be refused (the session is live elsewhere), and waiting here keeps "one owner" true by construction.
+Failover: a session whose lease holder is no longer among Ray's running replicas is either on a replica
+that is stopping (scale-down, shutdown: it saves and releases its sessions, so the router waits for the
+release, or the lease's lapse) or on a dead one. Dead means Ray no longer knows the replica's actor (its
+name is gone: Serve's replicas are never restarted in place). Then the router takes the lease away at
+once, by the store's compare-and-delete on the dead holder's grant (holder and fencing token), and routes
+the session like a new one: the chosen replica acquires the free lease (atomic; of two racing replicas
+one wins, the other answers FAILED_PRECONDITION) and restores the session from the store. The dead
+holder can write nothing more, and any write of a holder wrongly thought dead is refused by its fence.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ import logging
 import time
 from collections import OrderedDict
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+import ray
+from ray.serve._private.constants import SERVE_NAMESPACE  # the namespace of Serve's replica actors
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kiln.errors import KilnError
 from kiln.fleet.routing import LoadReport, Route, least_loaded, next_unasked, replica_of_holder
@@ -38,12 +45,15 @@ class SessionRouter(RequestRouter):
         self._prefixes: OrderedDict[str, str] = OrderedDict()  # prefix hash -> replica id that served it
         self._placed: dict[str, int] = {}  # sessions placed on a replica since its last load report
         self._reports: dict[str, dict] = {}
+        self._seen: OrderedDict[str, ReplicaID] = OrderedDict()  # every replica seen: its actor, once gone
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         if not by_id:
             return []
+        for unique_id, replica in by_id.items():
+            _remember(self._seen, unique_id, replica.replica_id)
         route = _route_of(pending_request)
         if route.every_replica:
             return [[by_id[next_unasked(list(by_id), route.asked)]]]
@@ -62,7 +72,8 @@ class SessionRouter(RequestRouter):
 
     async def _owner(self, session_id: str, live: set[str]) -> str | None:
         """The live replica that owns the session; None when no replica does (a new owner may take it).
-        Waits out the lease of a replica that is gone, up to the lease TTL."""
+        A dead owner's lease is taken away at once; a stopping owner's hand-off is waited for, up to the
+        lease TTL."""
         deadline = time.monotonic() + self._lease_ttl_s + 1.0
         while True:
             try:
@@ -77,9 +88,25 @@ class SessionRouter(RequestRouter):
             if replica in live:
                 _remember(self._owners, session_id, replica)
                 return replica
+            if replica is not None and await asyncio.to_thread(self._dead, replica):
+                taken = await asyncio.to_thread(self._store.release_lease, lease)  # only that very grant
+                logger.info("fleet: session %s: its replica %s is dead; lease %s", session_id, replica,
+                            "taken back for a live replica" if taken else "changed meanwhile")
+                continue
             if time.monotonic() > deadline:
                 return None  # a holder that is not a fleet replica: the chosen one answers FAILED_PRECONDITION
             await asyncio.sleep(LAPSE_POLL_S)
+
+    def _dead(self, replica: str) -> bool:
+        """Whether Ray no longer knows the replica's actor (never restarted in place: its name is gone)."""
+        replica_id = self._seen.get(replica)
+        if replica_id is None:  # never seen here: its lease is left to lapse
+            return False
+        try:
+            ray.get_actor(replica_id.to_full_id_str(), namespace=SERVE_NAMESPACE)
+        except ValueError:
+            return True
+        return False
 
     def _lease_of(self, session_id: str) -> Lease | None:
         if self._store is None:
