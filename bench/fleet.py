@@ -3,6 +3,10 @@
 - routing overhead: the same sequential session workload (`--sessions` sessions of a 64-token prompt,
   `--turns` turns each: append 8 ids, generate 8 greedy tokens over REST) directly against one
   `kiln serve` and through a one-replica fleet; the headline is the median turn latency difference;
+- where the overhead goes: the median of a cheap call (a session's info, `--probes` times) directly, through
+  the fleet's HTTP address (Ray's proxy -> ingress -> router -> replica), through its gRPC address, through
+  a handle on the replicas from the bench process (router -> replica: one Ray hop), and the router's lease
+  lookup in Redis alone;
 - scale: aggregate generated tokens/s of `--concurrency` sessions generating at once (3 turns of 32
   tokens each) through 1 and through 2 replicas;
 - failover: two replicas, a session owned by one of them, that replica SIGKILLed; the next turn's time to
@@ -22,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 
@@ -55,6 +60,55 @@ def session_turns(url: str, sessions: int, turns: int, seed: int) -> list[float]
     return latencies[len(ids):]  # the first round prefills the prompts
 
 
+def timed(call: Callable[[], object], probes: int) -> float:
+    """The median seconds of `call`, after one unmeasured warm-up call."""
+    call()
+    seconds = []
+    for _ in range(probes):
+        started = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - started)
+    return median(seconds)
+
+
+def http_info_s(url: str, probes: int, seed: int) -> float:
+    with httpx.Client(base_url=url, timeout=60) as client:
+        session_id = client.post("/v1/sessions", json={"token_ids": common.random_ids(PROMPT_TOKENS, seed)}).json()["session_id"]
+        return timed(lambda: client.get(f"/v1/sessions/{session_id}").raise_for_status(), probes)
+
+
+def fleet_hops_s(url: str, grpc_address: str, redis_url: str, probes: int, seed: int) -> dict[str, float]:
+    """A session's info through each path into the fleet, and the router's lease lookup alone."""
+    import asyncio
+
+    from ray import serve
+
+    from kiln.client import Client
+    from kiln.fleet.app import APP_NAME
+    from kiln.fleet.http_bridge import HttpRequest
+    from kiln.fleet.routing import Route
+    from kiln.snapshots.redis_store import RedisStore
+
+    with Client(grpc_address) as client:
+        session = client.create_session(common.random_ids(PROMPT_TOKENS, seed))
+        grpc_s = timed(session.info, probes)
+    replicas = serve.get_deployment_handle("KilnReplica", APP_NAME).options(method_name="http", stream=True)
+    request = HttpRequest("GET", f"/v1/sessions/{session.id}", b"", ((b"host", b"127.0.0.1"),), b"", None)
+
+    async def via_handle() -> None:
+        async for _ in replicas.remote(Route(session_id=session.id), request):
+            pass
+
+    loop = asyncio.new_event_loop()
+    handle_s = timed(lambda: loop.run_until_complete(via_handle()), probes)
+    loop.close()
+    store = RedisStore(redis_url)
+    lease_s = timed(lambda: store.lease_of(session.id), probes)
+    store.close()
+    return {"fleet_http": http_info_s(url, probes, seed + 1), "fleet_grpc": grpc_s,
+            "replica_handle": handle_s, "lease_lookup": lease_s}
+
+
 def aggregate_tokens_per_s(url: str, concurrency: int, seed: int) -> float:
     tokens = 0
     lock = threading.Lock()
@@ -80,8 +134,7 @@ def aggregate_tokens_per_s(url: str, concurrency: int, seed: int) -> float:
 
 
 def failover(url: str, redis_url: str, seed: int) -> dict[str, float]:
-    from ray._private.state import actors
-
+    from kiln.fleet.app import replica_pids
     from kiln.snapshots.redis_store import RedisStore
 
     store = RedisStore(redis_url)
@@ -91,8 +144,7 @@ def failover(url: str, redis_url: str, seed: int) -> dict[str, float]:
         client.post(f"/v1/sessions/{session_id}/generate", json=GREEDY).raise_for_status()
         while client.get(f"/v1/sessions/{session_id}").json()["unsaved_changes"]:
             time.sleep(0.02)
-        pid = next(info["Pid"] for info in actors().values()
-                   if info["State"] == "ALIVE" and info["Name"].endswith("#" + victim))
+        pid = replica_pids()[victim]
         holder = store.lease_of(session_id).holder
         lapsed: list[float] = []
 
@@ -124,8 +176,9 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--concurrency", type=int, default=8)
-    args = common.parse_run_args(parser, "fleet", "2 sessions x 3 turns, 4 at once",
-                                 lambda a: vars(a).update(sessions=2, turns=3, concurrency=4))
+    parser.add_argument("--probes", type=int, default=200)
+    args = common.parse_run_args(parser, "fleet", "2 sessions x 3 turns, 4 at once, 30 probes",
+                                 lambda a: vars(a).update(sessions=2, turns=3, concurrency=4, probes=30))
     import ray
     from ray import serve
 
@@ -139,15 +192,17 @@ def main() -> None:
     direct = servers.start(extra_args=["--threads", "1", "--speculative", "none", "--snapshot-store", redis.url])
     try:
         direct_turns = session_turns(direct.http_url, args.sessions, args.turns, seed=1)
+        direct_info = http_info_s(direct.http_url, args.probes, seed=400)
     finally:
         direct.stop()
-    port = servers._free_port()
+    port, grpc_port = servers._free_port(), servers._free_port()
     url = f"http://127.0.0.1:{port}"
     spec = ReplicaSpec(None, redis.url, FLEET_LEASE_TTL_S, ServeOptions(), engine)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        start_fleet(spec, FleetOptions(replicas=1, http_port=port, replica_cpus=1.0))
+        start_fleet(spec, FleetOptions(replicas=1, http_port=port, grpc_port=grpc_port, replica_cpus=1.0))
         fleet_turns = session_turns(url, args.sessions, args.turns, seed=1)
+        hops = {"direct_http": direct_info, **fleet_hops_s(url, f"127.0.0.1:{grpc_port}", redis.url, args.probes, 500)}
         one = aggregate_tokens_per_s(url, args.concurrency, seed=100)
         serve.run(fleet_application(spec, 2, 1.0), name=APP_NAME)
         two = aggregate_tokens_per_s(url, args.concurrency, seed=200)
@@ -162,6 +217,7 @@ def main() -> None:
         "turn_latency_s": {"direct": common.summarize(direct_turns), "fleet_1_replica": common.summarize(fleet_turns),
                            "direct_samples": direct_turns, "fleet_samples": fleet_turns},
         "routing_overhead_median_ms": overhead_ms,
+        "session_info_median_ms": {path: seconds * 1000 for path, seconds in hops.items()},
         "aggregate_tokens_per_s": {"1_replica": one, "2_replicas": two},
         "failover": failed_over,
     }
@@ -173,7 +229,8 @@ def main() -> None:
         ("failover (s)", ["detection", "restore+prefill+1st token"],
          {"seconds": [failed_over["detection_s"], failed_over["restore_prefill_first_token_s"]]}),
     ], "Kiln fleet on Ray Serve (2 cores)")
-    print(f"routing overhead {overhead_ms:.1f} ms at the median; tokens/s 1 replica {one:.1f}, 2 replicas {two:.1f}; "
+    print(f"routing overhead {overhead_ms:.1f} ms at the median; session info (ms) "
+          f"{ {path: round(seconds * 1000, 2) for path, seconds in hops.items()} }; tokens/s 1 replica {one:.1f}, 2 replicas {two:.1f}; "
           f"failover {failed_over}; {path}")
 
 

@@ -18,9 +18,11 @@ from ray.serve.handle import DeploymentHandle
 from kiln.errors import InvalidArgumentError
 from kiln.fleet.ingress import FleetIngress
 from kiln.fleet.replica import KilnReplica, ReplicaSpec
+from kiln.fleet.routing import Route
 from kiln.server.app import ServeOptions
 
 APP_NAME = "kiln"
+REPLICA_DEPLOYMENT = "KilnReplica"
 FLEET_LEASE_TTL_S = 5.0  # a dead replica's sessions move after at most this (kiln serve's default is 30 s)
 STATS_PERIOD_S = 1.0  # how often each replica reports its load to the router
 GRPC_SERVICER = "kiln.server.grpc.add_runtime_handlers"  # what Ray's gRPC proxy serves: kiln.v1.Runtime
@@ -52,7 +54,7 @@ def fleet_application(spec: ReplicaSpec, replicas: int, replica_cpus: float) -> 
         request_router_class="kiln.fleet.router:SessionRouter",
         request_router_kwargs={"snapshot_store": spec.snapshot_store, "lease_ttl_s": spec.lease_ttl_s},
         request_routing_stats_period_s=STATS_PERIOD_S, request_routing_stats_timeout_s=STATS_PERIOD_S * 5)
-    replica = serve.deployment(KilnReplica, name="KilnReplica", num_replicas=replicas,
+    replica = serve.deployment(KilnReplica, name=REPLICA_DEPLOYMENT, num_replicas=replicas,
                                max_ongoing_requests=MAX_ONGOING_PER_REPLICA, request_router_config=router,
                                ray_actor_options={"num_cpus": replica_cpus}, health_check_period_s=2.0,
                                graceful_shutdown_timeout_s=30.0)
@@ -85,3 +87,14 @@ def start_fleet(spec: ReplicaSpec, options: FleetOptions, runtime_env: dict | No
                                                            "grpc_servicer_functions": [GRPC_SERVICER]}
     serve.start(http_options={"host": options.http_host, "port": options.http_port}, grpc_options=grpc_options)
     return serve.run(fleet_application(spec, options.replicas, options.replica_cpus), name=APP_NAME)
+
+
+def replica_pids(app_name: str = APP_NAME) -> dict[str, int]:
+    """Ray replica id -> process id of each running KilnReplica (for a test or bench that kills one), asked
+    of every replica in turn as the router fans GET /metrics out (kiln/fleet/routing.py). Call it from
+    outside the fleet's deployments (it blocks)."""
+    handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name).options(method_name="process")
+    pids: dict[str, int] = {}
+    while (answer := handle.remote(Route(every_replica=True, asked=frozenset(pids))).result())[0] not in pids:
+        pids[answer[0]] = answer[1]
+    return pids

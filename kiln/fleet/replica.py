@@ -13,6 +13,7 @@ hand-off), so the next turn of each is routed to another replica and restored th
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
@@ -58,6 +59,10 @@ class KilnReplica:
         """One gRPC call, routed here by `route`: its response messages' bytes, then its status."""
         async for piece in call_servicer(self.servicer, call):
             yield piece
+
+    def process(self, route: Route) -> tuple[str, int]:
+        """This replica's id and process id, for whoever must signal it (kiln/fleet/app.py replica_pids)."""
+        return self.replica_id, os.getpid()
 
     def record_routing_stats(self) -> dict[str, object]:
         engine, sessions = self.llm.engine, self.llm.sessions

@@ -24,6 +24,7 @@ from kiln.errors import (  # noqa: E402
     NotFoundError,
     UnauthenticatedError,
 )
+from kiln.fleet.app import replica_pids  # noqa: E402
 from kiln.fleet.http_bridge import REPLICA_HEADER  # noqa: E402
 from kiln.fleet.routing import replica_of_holder  # noqa: E402
 from kiln.llm import LLM  # noqa: E402
@@ -60,14 +61,6 @@ def wait_saved(client, session_id: str) -> None:
     while client.get(f"/v1/sessions/{session_id}").json()["unsaved_changes"]:
         assert time.monotonic() < deadline, f"session {session_id} was never saved"
         time.sleep(0.05)
-
-
-def replica_pids() -> dict[str, int]:
-    """Ray replica id -> process id of each live KilnReplica (from Ray's actor table)."""
-    from ray._private.state import actors
-
-    return {info["Name"].rsplit("#", 1)[-1]: info["Pid"] for info in actors().values()
-            if info["State"] == "ALIVE" and "#KilnReplica#" in info["Name"]}
 
 
 def test_sessions_spread_and_every_turn_is_served_by_its_owner(fleet: Fleet):
