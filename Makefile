@@ -19,9 +19,11 @@ model: setup  ## assemble and convert the embedded model (cached after the first
 run: model  ## serve the embedded model: gRPC on 127.0.0.1:50051, HTTP (OpenAI API, /dashboard) on 127.0.0.1:8000
 	$(BIN)/kiln serve
 
-fleet: model redis  ## two replicas on a local Ray Serve behind http://127.0.0.1:8000, sessions in a local redis-server (port 6390)
+fleet: model redis  ## two replicas on a local Ray Serve: HTTP on 127.0.0.1:8000, gRPC on 50051 (API key: KILN_API_KEY, or one made up and printed), sessions in a local redis-server (port 6390)
 	@redis-cli -p 6390 ping >/dev/null 2>&1 || redis-server --port 6390 --bind 127.0.0.1 --save '' --appendonly no --daemonize yes
-	$(BIN)/kiln fleet --replicas $${FLEET_REPLICAS:-2} --snapshot-store redis://127.0.0.1:6390/0
+	@key=$${KILN_API_KEY:-$$($(BIN)/python -c 'import secrets; print(secrets.token_urlsafe(24))')}; \
+	 test -n "$$KILN_API_KEY" || echo "kiln fleet: API key $$key (gRPC listens on every interface)"; \
+	 KILN_API_KEY=$$key $(BIN)/kiln fleet --replicas $${FLEET_REPLICAS:-2} --snapshot-store redis://127.0.0.1:6390/0 --grpc-port 50051
 
 chat: model  ## interactive chat in process, with per-turn cache statistics
 	$(BIN)/kiln chat

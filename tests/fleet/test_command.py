@@ -71,3 +71,15 @@ def test_the_serve_config_builder_makes_the_fleet_application():
         application_from_args({"replicas": "2"})
     with pytest.raises(InvalidArgumentError, match="Redis"):
         application_from_args({"snapshot_store": "/var/kiln/snapshots"})
+
+
+def test_a_grpc_port_without_an_api_key_is_refused_before_ray_starts(capsys, monkeypatch):
+    """Ray Serve's gRPC proxy listens on every interface, whatever --host says."""
+    ray = pytest.importorskip("ray", reason="the fleet extra (ray[serve]) is not installed")
+    from kiln.cli import main
+
+    monkeypatch.delenv("KILN_API_KEY", raising=False)
+    assert main(["fleet", "--snapshot-store", "redis://127.0.0.1:1/0", "--grpc-port", "50051"]) == 2
+    error = capsys.readouterr().err
+    assert "INVALID_ARGUMENT" in error and "every interface" in error
+    assert not ray.is_initialized()
