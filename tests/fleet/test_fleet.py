@@ -8,9 +8,13 @@ keep serving. The tests share one fleet and run in file order: the outage test i
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -152,6 +156,22 @@ def test_the_openai_package_works_unchanged_against_the_fleet(fleet: Fleet):
     assert sum(1 for chunk in streamed if chunk.choices and chunk.choices[0].text) >= 1
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_the_typescript_sdk_works_unchanged_through_the_fleets_grpc_address(fleet: Fleet):
+    sdk = Path(__file__).resolve().parents[2] / "sdk" / "typescript" / "dist" / "esm" / "index.js"
+    if shutil.which("node") is None or not sdk.exists():
+        pytest.skip("node or the built TypeScript SDK is missing (`make test-ts` builds sdk/typescript/dist)")
+    script = Path(__file__).with_name("ts_sdk_turns.mjs")
+    run = subprocess.run(["node", str(script), sdk.as_uri(), fleet.grpc_address, KEYS[0]], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    turns = json.loads(run.stdout)
+    assert turns["streamed"] == turns["generated"] == 4 and turns["missing"] == "NotFoundError"
+    assert turns["lastPrefillTokens"] == turns["newTokens"] <= 4  # the owner served the second turn
+    store = RedisStore(fleet.redis.url)
+    assert owner_of(store, turns["sessionId"]) is not None
+    store.close()
 
 
 def test_metrics_give_the_fleets_aggregate_and_each_replicas_series(fleet: Fleet):
