@@ -104,14 +104,15 @@ async def call_servicer(servicer: RuntimeServicer, call: GrpcCall) -> AsyncItera
         return
     context = BridgedContext(call)
     task = asyncio.create_task(getattr(servicer, call.method)(call.request, context))
+    written = asyncio.ensure_future(context.written.get())
     try:
-        while not task.done():
-            written = asyncio.ensure_future(context.written.get())
+        while True:
             await asyncio.wait((written, task), return_when=asyncio.FIRST_COMPLETED)
-            if written.done():
-                yield written.result()
-            else:
-                written.cancel()
+            if not written.done():
+                break
+            yield written.result()
+            written = asyncio.ensure_future(context.written.get())
+        written.cancel()  # before the yields below: a pending get would take what they drain
         while not context.written.empty():  # what a stream wrote as it finished
             yield context.written.get_nowait()
         if isinstance(error := task.exception(), _Aborted):
@@ -121,6 +122,7 @@ async def call_servicer(servicer: RuntimeServicer, call: GrpcCall) -> AsyncItera
             yield response.SerializeToString()
         yield GrpcStatus(grpc.StatusCode.OK.name, "", context.trailing)
     finally:
+        written.cancel()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, _Aborted):
             await task

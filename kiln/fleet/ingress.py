@@ -55,15 +55,15 @@ async def _pieces(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
 async def _open(replicas: DeploymentHandle, route: Route, request: object) -> tuple[object, DeploymentResponseGenerator]:
     """A replica's stream for the request and its first piece, retried while the chosen replica turns out
     dead before answering anything (nothing of the request ran to completion there)."""
-    for attempt in range(ATTEMPTS):
+    for attempt in range(1, ATTEMPTS + 1):
         stream: DeploymentResponseGenerator = replicas.remote(route, request)
         try:
             return await stream.__anext__(), stream
         except RayActorError as error:
-            if attempt == ATTEMPTS - 1:
-                raise UnavailableError(f"no replica could take the request: {error}") from None
-            await asyncio.sleep(RETRY_PAUSE_S)
-    raise AssertionError("unreachable: the last attempt returns or raises")
+            failure = error
+            if attempt < ATTEMPTS:
+                await asyncio.sleep(RETRY_PAUSE_S)
+    raise UnavailableError(f"no replica could take the request: {failure}")
 
 
 def _headers(head: ResponseHead) -> dict[str, str]:
