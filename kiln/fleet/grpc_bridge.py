@@ -38,6 +38,7 @@ class GrpcStatus:
     code: str
     details: str = ""
     trailing_metadata: Metadata = ()
+    replica: str = ""  # the replica that ran the call (a call asked of every replica stops at a repeated one)
 
     @property
     def ok(self) -> bool:

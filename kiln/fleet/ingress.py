@@ -30,6 +30,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from kiln.errors import UnavailableError
 from kiln.fleet.grpc_bridge import Encoded, GrpcCall, GrpcStatus
 from kiln.fleet.http_bridge import REPLICA_HEADER, HttpRequest, ResponseHead
+from kiln.fleet.listing import joined_grpc, joined_json
 from kiln.fleet.metrics import merge_metrics
 from kiln.fleet.routing import Route, grpc_route, route_for
 from kiln.server.http_errors import error_response, too_large_response
@@ -40,6 +41,7 @@ ATTEMPTS = 5
 RETRY_PAUSE_S = 0.5
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 REPLICA = REPLICA_HEADER.decode()
+_JOINS = {"/metrics": merge_metrics, "/v1/sessions": joined_json}  # routing.EVERY_REPLICA_PATHS: each answer's join
 _HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"x-request-id"}  # Serve's proxy writes its own
 
 app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)  # /openapi.json is the replicas' document
@@ -77,6 +79,14 @@ def _ended(status: GrpcStatus, context: RayServegRPCContext) -> None:
     if not status.ok:
         context.set_code(grpc.StatusCode[status.code])
         context.set_details(status.details)
+
+
+class _Refused(Exception):
+    """A replica refused a call asked of every replica: its status is the call's."""
+
+    def __init__(self, status: GrpcStatus) -> None:
+        super().__init__(status.details)
+        self.status = status
 
 
 class _CallFailed(Exception):
@@ -145,7 +155,7 @@ class FleetIngress:
         route = route_for(request.method, carried.path, body)
         try:
             if route.every_replica:
-                return await self._every_replicas_metrics(route, carried)
+                return await self._every_replicas_answers(route, carried)
             head, stream = await _open(self.http_replicas, route, carried)
         except UnavailableError as error:
             return error_response(error)
@@ -154,27 +164,50 @@ class FleetIngress:
             return StreamingResponse(_pieces(stream), status_code=head.status, headers=headers)
         return Response(b"".join([piece async for piece in _pieces(stream)]), status_code=head.status, headers=headers)
 
-    async def _every_replicas_metrics(self, route: Route, request: HttpRequest) -> Response:
-        """GET /metrics of each replica in turn (kiln/fleet/routing.py), merged: the aggregate and each
-        replica's series. A replica's refusal (its Host check) is answered as it gave it."""
-        texts: dict[str, str] = {}
+    async def _every_replicas_answers(self, route: Route, request: HttpRequest) -> Response:
+        """The request asked of each replica in turn (kiln/fleet/routing.py), their answers joined into one
+        (/metrics: the aggregate beside each replica's series; /v1/sessions: the caller's sessions on all).
+        A replica's refusal (a missing key, its Host check) is answered as it gave it."""
+        bodies: dict[str, bytes] = {}
         while True:
-            head, stream = await _open(self.http_replicas, replace(route, asked=frozenset(texts)), request)
+            head, stream = await _open(self.http_replicas, replace(route, asked=frozenset(bodies)), request)
             body = b"".join([piece async for piece in _pieces(stream)])
             headers = _headers(head)
             if head.status != 200:
                 return Response(body, status_code=head.status, headers=headers)
-            if (replica := headers[REPLICA]) in texts:
-                return Response(merge_metrics(texts), media_type=headers["content-type"])
-            texts[replica] = body.decode()
+            if (replica := headers[REPLICA]) in bodies:
+                return Response(_JOINS[request.path](bodies), media_type=headers["content-type"])
+            bodies[replica] = body
 
     async def grpc(self, call: GrpcCall, context: RayServegRPCContext) -> AsyncIterator[bytes | GrpcStatus]:
-        """One gRPC call on the replica its request routes to: its messages' bytes, then its status."""
+        """One gRPC call on the replica its request routes to (on each replica in turn for a listing): its
+        messages' bytes, then its status."""
+        route = grpc_route(call.method, call.request)
         try:
-            first, stream = await _open(self.grpc_replicas, grpc_route(call.method, call.request), call)
+            if route.every_replica:
+                yield await self._every_replicas_grpc_answer(route, call)  # a listing: unary
+                yield GrpcStatus(grpc.StatusCode.OK.name)
+                return
+            first, stream = await _open(self.grpc_replicas, route, call)
         except UnavailableError as error:
             yield GrpcStatus(grpc.StatusCode.UNAVAILABLE.name, str(error))
+            return
+        except _Refused as refused:
+            yield refused.status
             return
         yield first
         async for piece in stream:
             yield piece
+
+    async def _every_replicas_grpc_answer(self, route: Route, call: GrpcCall) -> bytes:
+        """A unary call asked of each replica in turn, the answers joined (kiln/fleet/listing.py); the first
+        refusal (a missing key) ends it."""
+        messages: dict[str, bytes] = {}
+        while True:
+            first, stream = await _open(self.grpc_replicas, replace(route, asked=frozenset(messages)), call)
+            *answer, status = [first, *[piece async for piece in stream]]
+            if not status.ok:
+                raise _Refused(status)
+            if status.replica in messages:
+                return joined_grpc(messages)
+            messages[status.replica] = answer[0]

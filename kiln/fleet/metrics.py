@@ -20,12 +20,12 @@ REPLICA_LABEL = "replica"
 BY_MAX = frozenset({"kiln_kv_step_attention_peak_bytes", "kiln_snapshot_backlog_seconds"})  # per-engine peaks, ages
 
 
-def merge_metrics(texts: Mapping[str, str]) -> bytes:
+def merge_metrics(texts: Mapping[str, bytes]) -> bytes:
     """One exposition from each replica's (replica id -> its /metrics text)."""
     families: dict[str, Metric] = {}
     values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], dict[str, float]]] = {}
     for replica, text in texts.items():
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(text.decode()):
             families.setdefault(family.name, Metric(family.name, family.documentation, family.type, family.unit))
             series = values.setdefault(family.name, {})
             for sample in family.samples:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ray import serve
 
@@ -58,7 +58,7 @@ class KilnReplica:
     async def grpc(self, route: Route, call: GrpcCall) -> AsyncIterator[bytes | GrpcStatus]:
         """One gRPC call, routed here by `route`: its response messages' bytes, then its status."""
         async for piece in call_servicer(self.servicer, call):
-            yield piece
+            yield replace(piece, replica=self.replica_id) if isinstance(piece, GrpcStatus) else piece
 
     def process(self, route: Route) -> tuple[str, int]:
         """This replica's id and process id, for whoever must signal it (kiln/fleet/app.py replica_pids)."""

@@ -3,8 +3,9 @@ the Route the ingress derives from an HTTP request, each replica's load report, 
 
 - A request (HTTP or gRPC) that names a session goes to the replica whose instance holds the session's lease.
 - Any other request (creating a session, restoring a snapshot, listing) goes to the least-loaded replica.
-- GET /metrics goes to every replica in turn (the ingress merges their answers: kiln/fleet/metrics.py):
-  each call to a replica not yet asked, then one more to any, whose repeated id says all were asked.
+- GET /metrics and a listing of sessions (GET /v1/sessions, gRPC ListSessions) go to every replica in
+  turn (the ingress merges their answers: kiln/fleet/metrics.py, kiln/fleet/listing.py): each call to a
+  replica not yet asked, then one more to any, whose repeated id says all were asked.
 - A stateless OpenAI request goes to the replica that last served the same opening (a hash of the first
   PREFIX_CHARS characters of its prompt: the pages a prefix cache would hold), else the least-loaded.
 """
@@ -25,7 +26,8 @@ PREFIX_CHARS = 512  # the opening hashed: a few pages of prompt, shared by reque
 INSTANCE_PREFIX = "fleet-"  # a replica's instance id in the snapshot store: fleet-<Ray replica id>
 _SESSION_PATH = re.compile(r"^/v1/sessions/([^/]+)(?:/.*)?$")
 _STATELESS_PATHS = ("/v1/chat/completions", "/v1/completions")
-METRICS_PATH = "/metrics"
+EVERY_REPLICA_PATHS = ("/metrics", "/v1/sessions")  # GET: every replica answers its part
+EVERY_REPLICA_METHODS = ("ListSessions",)
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ def route_for(method: str, path: str, body: bytes) -> Route:
     """The Route of an HTTP request to the fleet (its path and, for the OpenAI API, its prompt)."""
     if match := _SESSION_PATH.match(path):
         return Route(session_id=match.group(1))
-    if method == "GET" and path == METRICS_PATH:
+    if method == "GET" and path in EVERY_REPLICA_PATHS:
         return Route(every_replica=True)
     if method == "POST" and path in _STATELESS_PATHS:
         return Route(prefix=prefix_hash(body))
@@ -74,6 +76,8 @@ def route_for(method: str, path: str, body: bytes) -> Route:
 def grpc_route(method: str, request: bytes) -> Route:
     """The Route of a gRPC call to the fleet: by the session its request names. A malformed request or an
     unknown method goes to the least loaded, whose servicer answers it with the error one server gives."""
+    if method in EVERY_REPLICA_METHODS:
+        return Route(every_replica=True)
     if method not in rpc.METHODS or "session_id" not in rpc.request_type(method).DESCRIPTOR.fields_by_name:
         return Route()
     try:

@@ -78,6 +78,8 @@ def test_sessions_spread_and_every_turn_is_served_by_its_owner(fleet: Fleet):
             assert served_by == owner
             # only what was not resident: the three appended tokens and the last turn's final token
             assert info["last_prefill_tokens"] == before["history_tokens"] + 3 - before["computed_tokens"] <= 4
+        listed = client.get("/v1/sessions").json()["data"]
+        assert {session["session_id"] for session in listed} >= {session_id for session_id, _ in sessions}
 
 
 def owner_of(store: RedisStore, session_id: str) -> str | None:
@@ -101,6 +103,9 @@ def test_the_python_sdk_works_unchanged_through_the_fleets_grpc_address(fleet: F
             info = session.info()
             assert owner_of(store, session.id) == owners[session.id]  # the owner served it: no lease moved
             assert info.last_prefill_tokens == before.history_tokens + 3 - before.computed_tokens <= 4
+        assert {info.session_id for info in client.list_sessions()} >= set(owners)  # every replica's sessions
+    with Client(fleet.grpc_address, api_key=KEYS[1]) as other:
+        assert not {info.session_id for info in other.list_sessions()} & set(owners)  # scoped to the key
     store.close()
 
 

@@ -35,8 +35,8 @@ def samples(text: bytes) -> dict[tuple[str, frozenset], float]:
 
 def test_each_family_once_with_the_aggregate_and_each_replicas_series():
     merged = merge_metrics({
-        "r1": REPLICA_TEXT.format(sessions=2, requests=3, created=50, backlog=1.5, fast=1),
-        "r2": REPLICA_TEXT.format(sessions=4, requests=7, created=40, backlog=0.5, fast=6),
+        "r1": REPLICA_TEXT.format(sessions=2, requests=3, created=50, backlog=1.5, fast=1).encode(),
+        "r2": REPLICA_TEXT.format(sessions=4, requests=7, created=40, backlog=0.5, fast=6).encode(),
     })
     text = merged.decode()
     for family in ("kiln_sessions_active", "kiln_requests_total", "kiln_snapshot_backlog_seconds", "kiln_ttft_seconds"):
@@ -52,3 +52,4 @@ def test_each_family_once_with_the_aggregate_and_each_replicas_series():
     assert values[("kiln_ttft_seconds_bucket", frozenset({("le", "0.1")}))] == 7
     assert values[("kiln_ttft_seconds_sum", frozenset())] == 3.0
     assert values[("kiln_ttft_seconds_count", frozenset({("replica", "r1")}))] == 3
+

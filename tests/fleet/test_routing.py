@@ -70,8 +70,11 @@ def test_grpc_calls_route_by_the_session_their_request_names():
     assert grpc_route("NoSuchMethod", generate) == Route()
 
 
-def test_metrics_go_to_every_replica_in_turn():
-    assert route_for("GET", "/metrics", b"") == Route(every_replica=True)
+def test_metrics_and_listings_go_to_every_replica_in_turn():
+    for path in ("/metrics", "/v1/sessions"):
+        assert route_for("GET", path, b"") == Route(every_replica=True)
+    assert route_for("POST", "/v1/sessions", b"{}") == Route()
+    assert grpc_route("ListSessions", b"") == Route(every_replica=True)
     replicas = ["b", "a", "c"]
     asked: list[str] = []
     while (replica := next_unasked(replicas, frozenset(asked))) not in asked:
