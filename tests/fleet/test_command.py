@@ -1,5 +1,5 @@
 """`kiln fleet` as a user runs it: a subprocess that starts its own local Ray, serves the REST and OpenAI
-API on --http-port, and on SIGTERM stops gracefully, exiting 0 with every session saved and handed off
+API on --http-port and the SDKs' gRPC on --grpc-port, and on SIGTERM stops gracefully, exiting 0 with every session saved and handed off
 (no lease left in the store)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 import httpx
 import pytest
 
+from kiln.client import Client
 from kiln.snapshots.manifest import session_snapshot_id
 from kiln.snapshots.redis_store import RedisStore
 from tests.fleet.conftest import KEYS
@@ -27,8 +28,8 @@ def test_kiln_fleet_serves_and_hands_off_on_sigterm(servers_root, tmp_path):  # 
     if not os.path.exists(REDIS_SERVER):
         pytest.skip("redis-server is not installed")
     redis = RedisProcess(tmp_path)
-    port = free_port()
-    command = [sys.executable, "-m", "kiln.cli", "fleet", "--replicas", "1", "--replica-cpus", "0.5", "--threads", "1",
+    port, grpc_port = free_port(), free_port()
+    command = [sys.executable, "-m", "kiln.cli", "fleet", "--grpc-port", str(grpc_port), "--replicas", "1", "--replica-cpus", "0.5", "--threads", "1",
                "--model", str(tiny_model_dir(servers_root, "llama")), "--snapshot-store", redis.url,
                "--http-port", str(port), "--api-key", KEYS[0]]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
@@ -45,6 +46,9 @@ def test_kiln_fleet_serves_and_hands_off_on_sigterm(servers_root, tmp_path):  # 
             generated = client.post(f"/v1/sessions/{session_id}/generate", json={"max_tokens": 3, "ignore_eos": True})
             assert len(generated.json()["token_ids"]) == 3
             assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        with Client(f"127.0.0.1:{grpc_port}", api_key=KEYS[0]) as sdk:
+            assert sdk.get_session(session_id).info().history_tokens == 6
+            assert sdk.health().status == "serving"
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=120) == 0, "".join(log)
         store = RedisStore(redis.url)
