@@ -182,6 +182,10 @@ class FleetIngress:
     async def grpc(self, call: GrpcCall, context: RayServegRPCContext) -> AsyncIterator[bytes | GrpcStatus]:
         """One gRPC call on the replica its request routes to (on each replica in turn for a listing): its
         messages' bytes, then its status."""
+        if len(call.request) > self.max_request_bytes:  # Ray's proxy takes up to 2 GiB; one server, this much
+            yield GrpcStatus(grpc.StatusCode.RESOURCE_EXHAUSTED.name,
+                             f"the request message is over {self.max_request_bytes} bytes")
+            return
         route = grpc_route(call.method, call.request)
         try:
             if route.every_replica:

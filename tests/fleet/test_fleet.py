@@ -26,6 +26,7 @@ from kiln.errors import (  # noqa: E402
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    ResourceExhaustedError,
     UnauthenticatedError,
 )
 from kiln.fleet.app import replica_pids  # noqa: E402
@@ -120,6 +121,8 @@ def test_grpc_through_the_fleet_gives_the_typed_errors_of_one_server(fleet: Flee
             Session(theirs, session.id).generate(N)
         with pytest.raises(InvalidArgumentError):
             session.generate(N, temperature=-1.0)
+        with pytest.raises(ResourceExhaustedError):  # over the request limit, as one server's gRPC says
+            session.append([1000] * (fleet.spec.serve_options.max_request_bytes // 2))
         running = session.generate(LONG, ignore_eos=True)
         with pytest.raises(FailedPreconditionError, match="in flight"):
             session.append([1])
