@@ -101,7 +101,7 @@ def _call(method: str, request: bytes, context: RayServegRPCContext) -> GrpcCall
 def _unary_method(method: str) -> Callable:
     async def call(self: "FleetIngress", request: bytes, grpc_context: RayServegRPCContext) -> Encoded:
         response = Encoded(b"")  # an error's: the client reads the status only
-        async for piece in self.grpc(_call(method, request, grpc_context), grpc_context):
+        async for piece in self.grpc(_call(method, request, grpc_context)):
             if isinstance(piece, GrpcStatus):
                 _ended(piece, grpc_context)
             else:
@@ -114,7 +114,7 @@ def _unary_method(method: str) -> Callable:
 
 def _streaming_method(method: str) -> Callable:
     async def call(self: "FleetIngress", request: bytes, grpc_context: RayServegRPCContext) -> AsyncIterator[Encoded]:
-        async for piece in self.grpc(_call(method, request, grpc_context), grpc_context):
+        async for piece in self.grpc(_call(method, request, grpc_context)):
             if isinstance(piece, GrpcStatus):
                 _ended(piece, grpc_context)
                 if not piece.ok:
@@ -179,7 +179,7 @@ class FleetIngress:
                 return Response(_JOINS[request.path](bodies), media_type=headers["content-type"])
             bodies[replica] = body
 
-    async def grpc(self, call: GrpcCall, context: RayServegRPCContext) -> AsyncIterator[bytes | GrpcStatus]:
+    async def grpc(self, call: GrpcCall) -> AsyncIterator[bytes | GrpcStatus]:
         """One gRPC call on the replica its request routes to (on each replica in turn for a listing): its
         messages' bytes, then its status."""
         if len(call.request) > self.max_request_bytes:  # Ray's proxy takes up to 2 GiB; one server, this much
