@@ -89,7 +89,11 @@ class SessionRouter(RequestRouter):
                 _remember(self._owners, session_id, replica)
                 return replica
             if replica is not None and await asyncio.to_thread(self._dead, replica):
-                taken = await asyncio.to_thread(self._store.release_lease, lease)  # only that very grant
+                try:
+                    taken = await asyncio.to_thread(self._store.release_lease, lease)  # only that very grant
+                except KilnError as error:  # the store went away: the chosen replica answers UNAVAILABLE
+                    logger.warning("fleet: session %s: its dead replica's lease was not taken: %s", session_id, error)
+                    return None
                 logger.info("fleet: session %s: its replica %s is dead; lease %s", session_id, replica,
                             "taken back for a live replica" if taken else "changed meanwhile")
                 continue
