@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,11 @@ from kiln.client import Client
 from kiln.engine.sampler import SamplingParams
 from kiln.server.app import ServeOptions, try_it
 from kiln.server.auth import ApiKeys, identity_of
-from kiln.server.dashboard_state import DashboardState
+from kiln.server.dashboard_state import EVICTION_REASONS, HISTORY_STEP_S, DashboardState
 from kiln.server.http import build_http_app
 from kiln.server.metrics import Metrics
 from kiln.server.service import RuntimeService
+from kiln.snapshots.manifest import Manifest, session_snapshot_id
 
 ADMIN_KEYS = """
 [keys.alice]
@@ -99,6 +101,68 @@ def test_polls_share_one_reading(tiny_llm, monkeypatch):
     state = DashboardState(llm, health=dict, refresh_s=3600)
     readings = {id(state.reading()) for _ in range(50)}
     assert len(readings) == 1 and len(surveys) == 1
+
+
+def _stored_bytes(root: Path, snapshot_id: str) -> int:
+    """A snapshot's size as the dashboard defines it, measured on disk: its manifest file plus the blob
+    files it references."""
+    manifest = Manifest.from_json((root / "manifests" / f"{snapshot_id}.json").read_bytes(), snapshot_id)
+    blobs = sum((root / "blobs" / digest[:2] / f"{digest}.zst").stat().st_size for digest in manifest.digests())
+    return (root / "manifests" / f"{snapshot_id}.json").stat().st_size + blobs
+
+
+def test_sessions_evicted_to_snapshots_are_listed_with_their_snapshots(tiny_llm, tmp_path):
+    """A session the LRU cap evicted is listed, for its owner only, as "evicted to snapshot" with its
+    history and last snapshot (time and size); a drill-down lists a session's snapshot and checkpoint;
+    after a restart every saved session is listed so, read from the store."""
+    llm = tiny_llm("llama", snapshot_dir=str(tmp_path), max_sessions=2, speculative=None)
+    store, alice, bob = llm.sessions, identity_of("alice"), identity_of("bob")
+    evicted = store.create(list(range(1, 40)), owner=alice)
+    store.generate(evicted, SamplingParams(max_tokens=6, temperature=0.0), owner=alice).result()
+    kept = store.create([5, 6, 7], owner=bob)
+    checkpoint = store.snapshot(kept, owner=bob)
+    store.create([8, 9], owner=bob)  # the cap evicts alice's session, least recently used
+    assert llm.persistence.flush(30)
+    state = DashboardState(llm, health=dict, refresh_s=0)
+
+    rows = {row["id"]: row for row in state.reading().view(alice, sees_all=False)["sessions"]}
+    assert list(rows) == [evicted]
+    row = rows[evicted]
+    assert row["state"] == "evicted to snapshot" and row["history"] == 45 and row["resident_bytes"] == 0
+    assert abs(row["last_saved_at"] - time.time()) < 60
+    assert row["snapshot_bytes"] == _stored_bytes(tmp_path, session_snapshot_id(evicted))
+    bobs = state.reading().view(bob, sees_all=False)["sessions"]
+    assert evicted not in {row["id"] for row in bobs} and "evicted to snapshot" not in {row["state"] for row in bobs}
+    assert all(row["snapshot_bytes"] == _stored_bytes(tmp_path, session_snapshot_id(row["id"])) for row in bobs)
+    assert state.reading().session(evicted, bob, sees_all=False) is None
+
+    detail = state.reading().session(kept, bob, sees_all=False)
+    assert {(s["id"], s["kind"]) for s in detail["snapshots"]} == {(session_snapshot_id(kept), "session"),
+                                                                  (checkpoint, "checkpoint")}
+    assert {s["id"]: s["bytes"] for s in detail["snapshots"]}[checkpoint] == _stored_bytes(tmp_path, checkpoint)
+    assert state.reading().session(evicted, alice, sees_all=False)["snapshots"][0]["history"] == 45
+
+    llm.close()  # a restart: nothing is in memory, everything is in the store
+    again = DashboardState(tiny_llm("llama", snapshot_dir=str(tmp_path), speculative=None), health=dict, refresh_s=0)
+    everyone = again.reading().view(None, sees_all=True)["sessions"]
+    assert {row["state"] for row in everyone} == {"evicted to snapshot"} and len(everyone) == 3
+    assert {row["id"]: row["snapshot_bytes"] for row in everyone}[evicted] == row["snapshot_bytes"]
+    assert {s["id"] for s in again.reading().session(kept, bob, sees_all=False)["snapshots"]} == {
+        checkpoint, session_snapshot_id(kept)}
+
+
+def test_evictions_are_charted_by_reason(tiny_llm):
+    """Prefix-cache pages taken for new content count as "cached" K/V evicted (tokens per second)."""
+    llm = tiny_llm("llama", kv_pages=12, speculative=None)
+    state = DashboardState(llm, health=dict, refresh_s=0)
+    state.reading()
+    for seed in range(6):  # each stateless prompt leaves its full pages cached; later ones need their pages
+        llm.generate([[(seed * 37 + i * 11) % 256 for i in range(40)]], SamplingParams(max_tokens=2, temperature=0.0))
+    time.sleep(HISTORY_STEP_S)
+    reading = state.reading()
+    assert reading.overview["pool"]["evicted_tokens"]["cached"] > 0
+    assert reading.overview["history"][-1]["evicted_cached"] > 0
+    assert set(reading.overview["pool"]["evicted_tokens"]) == set(EVICTION_REASONS)
 
 
 def test_the_banner_names_the_dashboard():

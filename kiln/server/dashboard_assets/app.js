@@ -24,6 +24,7 @@ const COLUMNS = [  // key, header, format, text-aligned
   ["idle_s", "idle", seconds],
   ["ttl_s", "TTL", seconds],
   ["last_saved_at", "saved", ago],
+  ["snapshot_bytes", "snapshot", bytes],
   ["save_failures", "save fails", num],
 ];
 
@@ -147,6 +148,9 @@ function renderCards(s) {
 
 function renderCharts(history) {
   lineChart($("chart-pool"), history, [["used", "used", "--c1"], ["cached", "cached", "--c2"], ["free", "free", "--c3"]]);
+  lineChart($("chart-evictions"), history, [["evicted_cached", "cached", "--c2"], ["evicted_idle", "idle", "--c3"],
+                                            ["evicted_paused", "paused", "--c4"], ["evicted_waiting", "waiting", "--c5"],
+                                            ["evicted_preempted", "preempted", "--c1"]]);
   lineChart($("chart-tokens"), history, [["reused", "reused", "--c3"], ["prefilled", "prefilled", "--c2"]]);
   lineChart($("chart-latency"), history, [["ttft_p50", "TTFT p50", "--c1"], ["ttft_p95", "TTFT p95", "--c4"],
                                           ["turn_p50", "turn p50", "--c3"], ["turn_p95", "turn p95", "--c2"]]);
@@ -179,7 +183,7 @@ function lineChart(svg, points, series, top = null) {
     });
     out += `<path d="${d}" fill="none" stroke="${colourValue}" stroke-width="1.5" data-series="${key}"/>`;
     out += `<text x="${legend}" y="10" style="fill:${colourValue}">■ ${label}</text>`;
-    legend += 20 + label.length * 6;
+    legend += 14 + label.length * 5.5;
   }
   svg.innerHTML = out;
   const last = points[points.length - 1] || {};
@@ -263,10 +267,21 @@ async function renderDetail(id) {
     card("history", num(s.history) + " tok", `${num(s.resident_tokens)} resident`),
     card("pages", num(s.pages), `global ${num(s.pages_by_group.global)} · window ${num(s.pages_by_group.sliding_window)}`),
     card("resident", bytes(s.resident_bytes), `host ${bytes(s.host_bytes)} · disk ${bytes(s.disk_bytes)}`),
-    card("snapshot", ago(s.last_saved_at), `${s.unsaved ? "unsaved changes" : "up to date"} · ${num(s.save_failures)} failed`, s.save_failures > 0),
+    card("snapshot", ago(s.last_saved_at), `${bytes(s.snapshot_bytes)} · ${s.unsaved ? "unsaved changes" : "up to date"} · ${num(s.save_failures)} failed`, s.save_failures > 0),
     card("turns kept", num(s.turns.length), "most recent last"),
   ].join("");
   turnsChart($("chart-turns"), s.turns);
+  $("detail-snapshots").tBodies[0].replaceChildren(...s.snapshots.map((snapshot) => {
+    const tr = document.createElement("tr");
+    for (const [value, text] of [[snapshot.id, true], [snapshot.kind, true], [ago(snapshot.saved_at)], [num(snapshot.history)], [bytes(snapshot.bytes)]]) {
+      const td = document.createElement("td");
+      td.textContent = value;
+      if (text) td.className = "text";
+      tr.appendChild(td);
+    }
+    return tr;
+  }));
+  $("detail-no-snapshots").hidden = s.snapshots.length > 0;
 }
 
 function turnsChart(svg, turns) {
