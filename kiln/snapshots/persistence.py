@@ -13,6 +13,8 @@ and the saver never waits on the store's lock.
   session's history is never dropped for a failed save; failures are counted by code and per session
   (`status`). `load(id, owner)` brings a session that is not in memory back: its newest queued capture,
   else its snapshot. `delete_session` (close) deletes the snapshot, or raises and changes nothing.
+- Listing without the store: `saved()` describes every snapshot this process knows (owner, history,
+  time, stored size) from an index updated by each save and delete; the store is read once to seed it.
 
 Durability rule: every change to a session (its creation, an append, a fork, a turn's end) is captured
 and queued by the thread that made it before the change is acknowledged, and survives a crash once the

@@ -1,6 +1,7 @@
-"""The dashboard (kiln/server/dashboard.py): its routes and who sees what, in process; then the page in a
-real headless Chromium (Playwright driving Debian's `chromium`, which `make test` installs when missing)
-against real `kiln serve`s, with sessions made over gRPC."""
+"""The dashboard (kiln/server/dashboard.py): its routes and who sees what, in process; then the page in
+real headless browsers against real `kiln serve`s, with sessions made over gRPC: Chromium (Playwright
+driving Debian's `chromium`) and Firefox (Debian's `firefox-esr` over WebDriver BiDi,
+tests/server/webdriver_bidi.py); `make test` installs both when missing."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from kiln.server.http import build_http_app
 from kiln.server.metrics import Metrics
 from kiln.server.service import RuntimeService
 from kiln.snapshots.manifest import Manifest, session_snapshot_id
+from tests.server.conftest import free_port
+from tests.server.webdriver_bidi import BidiSession, Tab, firefox, firefox_executable
 
 ADMIN_KEYS = """
 [keys.alice]
@@ -198,9 +201,12 @@ def page(browser):
 
 
 POOL_USED = "JSON.parse(document.querySelector('#chart-pool').dataset.last || '{}').used"
+ROW_HISTORY = "document.querySelector(\"#sessions tr[data-id='{id}'] td.history\")?.textContent === '{history:,}'"
 
 
 def test_the_page_shows_a_new_session_and_the_pool_moving(tiny_server, page, tmp_path):
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
     page.goto(f"{tiny_server.http_url}/dashboard")
     page.wait_for_selector("#health.ok", timeout=10_000)
     page.wait_for_function(f"Number.isInteger({POOL_USED})", timeout=10_000)  # the first point of the pool chart
@@ -212,8 +218,7 @@ def test_the_page_shows_a_new_session_and_the_pool_moving(tiny_server, page, tmp
         history = session.info().history_tokens
         row = f"#sessions tr[data-id='{session.id}']"
         page.wait_for_selector(row, timeout=10_000)
-        page.wait_for_function("([row, n]) => document.querySelector(row + ' td.history')?.textContent === n",
-                               arg=[row, f"{history:,}"], timeout=10_000)
+        page.wait_for_function(ROW_HISTORY.format(id=session.id, history=history), timeout=10_000)
         # the session's pages show on the pool chart
         page.wait_for_function(f"{POOL_USED} > {used_before}", timeout=10_000)
         page.locator(row).click()
@@ -223,6 +228,40 @@ def test_the_page_shows_a_new_session_and_the_pool_moving(tiny_server, page, tmp
         page.screenshot(path=str(shot), full_page=True)
         assert shot.stat().st_size > 10_000
         session.close()
+    assert errors == []
+
+
+@pytest.fixture(scope="module")
+def firefox_session() -> BidiSession:
+    executable = firefox_executable()
+    if executable is None:
+        pytest.skip("no firefox: `apt-get install firefox-esr` (make test installs it when run as root)")
+    with firefox(executable, free_port()) as session:
+        yield session
+
+
+def test_the_page_works_in_firefox(tiny_server, firefox_session, tmp_path):
+    """The same page in stock Firefox: it loads without script errors, a session made over gRPC shows as a
+    row with its history length, the pool chart draws the session's pages, a screenshot is taken."""
+    tab = Tab(firefox_session, 1280, 800)
+    tab.goto(f"{tiny_server.http_url}/dashboard")
+    tab.wait_for("document.querySelector('#health.ok') !== null")
+    tab.wait_for(f"Number.isInteger({POOL_USED})")
+    used_before = tab.evaluate(POOL_USED)
+    with Client(tiny_server.grpc_address, tokenizer="server") as client:
+        session = client.create_session()
+        session.append_text("Firefox watches this session. " * 4)
+        "".join(session.generate_text(max_tokens=24))
+        history = session.info().history_tokens
+        tab.wait_for(ROW_HISTORY.format(id=session.id, history=history))
+        tab.wait_for(f"{POOL_USED} > {used_before}")
+        assert tab.evaluate("document.querySelector('#chart-pool path[data-series=used]').getAttribute('d')").startswith("M")
+        assert tab.evaluate("document.querySelector('#chart-evictions path[data-series=evicted_cached]') !== null")
+        shot = tmp_path / "dashboard-firefox.png"
+        tab.screenshot(shot)
+        assert shot.stat().st_size > 10_000
+        session.close()
+    assert tab.javascript_errors() == []
 
 
 def test_with_keys_the_page_asks_for_one_and_shows_only_its_sessions(auth_server, page):

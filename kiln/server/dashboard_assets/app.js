@@ -163,17 +163,17 @@ function renderCharts(history) {
 // `data-last` carries the newest point's values (read by tests and handy when inspecting the page).
 function lineChart(svg, points, series, top = null) {
   const width = svg.clientWidth || 400, height = svg.clientHeight || 130;
-  const left = 42, bottom = 14, plotW = width - left - 4, plotH = height - bottom - 14;
+  const left = 42, bottom = 14, plotW = width - left - 4, plotH = height - bottom - 20;
   const values = points.flatMap((p) => series.map(([k]) => p[k]).filter((v) => v != null));
   const max = top ?? (Math.max(0, ...values) || 1) * 1.1;  // an all-zero chart still gets an axis
   const x = (i) => left + (points.length < 2 ? plotW : (i / (points.length - 1)) * plotW);
-  const y = (v) => 14 + plotH - (v / max) * plotH;
+  const y = (v) => 20 + plotH - (v / max) * plotH;
   let out = `<line class="axis" x1="${left}" y1="${y(0)}" x2="${width}" y2="${y(0)}"/>`
           + `<text x="${left - 4}" y="${y(max) + 4}" text-anchor="end">${short(max)}</text>`
           + `<text x="${left - 4}" y="${y(0)}" text-anchor="end">0</text>`;
   if (points.length > 1) out += `<text x="${left}" y="${height - 2}">${seconds(Date.now() / 1000 - points[0].t)} ago</text>`
                               + `<text x="${width - 4}" y="${height - 2}" text-anchor="end">now</text>`;
-  let legend = left;
+  let legend = "";  // one text of spans: the browser places each label after the last, whatever the font
   for (const [key, label, colour] of series) {
     const colourValue = getComputedStyle(document.documentElement).getPropertyValue(colour);
     let d = "";
@@ -182,10 +182,9 @@ function lineChart(svg, points, series, top = null) {
       d += (d && points[i - 1]?.[key] != null ? "L" : "M") + x(i).toFixed(1) + "," + y(p[key]).toFixed(1);
     });
     out += `<path d="${d}" fill="none" stroke="${colourValue}" stroke-width="1.5" data-series="${key}"/>`;
-    out += `<text x="${legend}" y="10" style="fill:${colourValue}">■ ${label}</text>`;
-    legend += 14 + label.length * 5.5;
+    legend += `<tspan style="fill:${colourValue}">■ ${label}</tspan> `;
   }
-  svg.innerHTML = out;
+  svg.innerHTML = out + `<text x="4" y="10" xml:space="preserve">${legend}</text>`;
   const last = points[points.length - 1] || {};
   svg.dataset.last = JSON.stringify(Object.fromEntries(series.map(([k]) => [k, last[k] ?? null])));
 }
