@@ -54,6 +54,8 @@ class _Totals:
     generated: int
     saves: int
     restores: int
+    written_bytes: int
+    dedup_bytes: int
     evicted: dict[str, int]  # K/V tokens evicted by reason
 
 
@@ -153,7 +155,8 @@ class DashboardState:
         kv_format = engine.kv_format
         totals = _Totals(time.monotonic(), stats.prefill_tokens + stats.reused_tokens, stats.reused_tokens,
                          stats.prefill_tokens, stats.generated_tokens, sum(snapshots.saves.values()),
-                         sum(snapshots.restores.values()), _evicted_tokens(usage.evicted, stats.kv_dropped_tokens,
+                         sum(snapshots.restores.values()), snapshots.bytes_written, snapshots.dedup_bytes,
+                         _evicted_tokens(usage.evicted, stats.kv_dropped_tokens,
                                                                            engine.kv_format.page_size))
         self._sample(totals, usage)
         overview = {
@@ -211,6 +214,8 @@ class DashboardState:
             "turn_p50": _percentile([f.total_s for f in recent], 50),
             "turn_p95": _percentile([f.total_s for f in recent], 95),
             "saves": totals.saves - last.saves, "restores": totals.restores - last.restores,
+            "written_bps": (totals.written_bytes - last.written_bytes) / span,
+            "dedup_bps": (totals.dedup_bytes - last.dedup_bytes) / span,
             **{f"evicted_{reason}": (totals.evicted[reason] - last.evicted[reason]) / span for reason in EVICTION_REASONS},
         })
 
@@ -277,6 +282,6 @@ def _state(live: LiveSession) -> str:
         return "failed"
     if info.generating:
         return "running"
-    if info.history_tokens and info.computed_tokens == 0:
-        return "dropped"  # K/V given back for room: the next turn recomputes it
+    if live.turns and info.history_tokens and info.computed_tokens == 0:
+        return "dropped"  # K/V given back for room: the next turn recomputes it (a new session has none yet)
     return "idle"

@@ -135,7 +135,7 @@ def test_sessions_evicted_to_snapshots_are_listed_with_their_snapshots(tiny_llm,
     assert abs(row["last_saved_at"] - time.time()) < 60
     assert row["snapshot_bytes"] == _stored_bytes(tmp_path, session_snapshot_id(evicted))
     bobs = state.reading().view(bob, sees_all=False)["sessions"]
-    assert evicted not in {row["id"] for row in bobs} and "evicted to snapshot" not in {row["state"] for row in bobs}
+    assert evicted not in {row["id"] for row in bobs} and {row["state"] for row in bobs} == {"idle"}
     assert all(row["snapshot_bytes"] == _stored_bytes(tmp_path, session_snapshot_id(row["id"])) for row in bobs)
     assert state.reading().session(evicted, bob, sees_all=False) is None
 

@@ -157,6 +157,7 @@ function renderCharts(history) {
   lineChart($("chart-decode"), history, [["decode_tps", "tok/s", "--c1"]]);
   lineChart($("chart-hits"), history, [["hit_rate", "reused / prompt", "--c3"]], 1);
   lineChart($("chart-snapshots"), history, [["saves", "saves", "--c1"], ["restores", "restores", "--c2"]]);
+  lineChart($("chart-snapshot-bytes"), history, [["written_bps", "written", "--c1"], ["dedup_bps", "deduplicated", "--c3"]]);
 }
 
 // One SVG line chart: a series per [field, label, colour variable]; `top` fixes the y range's top.
