@@ -156,8 +156,7 @@ class DashboardState:
         totals = _Totals(time.monotonic(), stats.prefill_tokens + stats.reused_tokens, stats.reused_tokens,
                          stats.prefill_tokens, stats.generated_tokens, sum(snapshots.saves.values()),
                          sum(snapshots.restores.values()), snapshots.bytes_written, snapshots.dedup_bytes,
-                         _evicted_tokens(usage.evicted, stats.kv_dropped_tokens,
-                                                                           engine.kv_format.page_size))
+                         _evicted_tokens(usage.evicted, stats.kv_dropped_tokens, kv_format.page_size))
         self._sample(totals, usage)
         overview = {
             "generated_at": time.time(),

@@ -669,6 +669,7 @@ class Persistence:
             raise MissingPagesError(f"session {capture.session_id}: {len(lost)} page blob(s) saved before are gone "
                                     "from the store; the session is captured again")
         fresh = {digest: key for key, digest in digests.items() if digest in missing}
+        stored = self.store.blob_sizes(set(digests.values()) - missing)  # the snapshot's size (`saved`)
         compressed = dict(zip(fresh, self._map(lambda d: blobs.compress(_buffer(image.blocks[fresh[d]])), list(fresh)), strict=True))
         layout = self.engine.kv_layout
         groups = tuple(
@@ -682,9 +683,7 @@ class Persistence:
             session_created_at=capture.created_at,
         )
         report = self.store.save(manifest, compressed, fence=fence)
-        sizes = {digest: len(blob) for digest, blob in compressed.items()}
-        sizes.update(self.store.blob_sizes(manifest.digests() - sizes.keys()))
-        return report, digests, _saved(manifest, sizes)
+        return report, digests, _saved(manifest, {**stored, **{digest: len(blob) for digest, blob in compressed.items()}})
 
     def _map(self, fn: Callable[[T], R], items: list[T]) -> list[R]:
         """fn over items on the encoding threads, in about one batch per thread (a future per page would
