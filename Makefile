@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: run chat fleet test test-ts peer-test fault fuzz soak bench lint setup model proto redis chromium clean
+.PHONY: run chat fleet test test-ts peer-test fault fuzz soak bench lint setup model proto redis chromium firefox clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -38,7 +38,12 @@ chromium:  ## the headless browser of the dashboard test (Debian package): insta
 		{ test "$$(id -u)" = 0 && apt-get update -qq && apt-get install -y -qq chromium; } || \
 		echo "chromium is missing and cannot be installed here: the dashboard's browser tests will skip"
 
-test: model redis chromium
+firefox:  ## the dashboard test's second browser, driven over WebDriver BiDi (Debian package): installed when missing and root
+	@command -v firefox-esr >/dev/null || \
+		{ test "$$(id -u)" = 0 && apt-get update -qq && apt-get install -y -qq firefox-esr; } || \
+		echo "firefox-esr is missing and cannot be installed here: the dashboard's Firefox test will skip"
+
+test: model redis chromium firefox
 	$(BIN)/ruff check kiln tests bench peer
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-ts

@@ -7,6 +7,11 @@ one prefilled by a one-token greedy generate (so each holds pages), then per cou
 - JSON: the admin's view of that reading encoded as the endpoint encodes it (bytes and seconds);
 - served: `GET /dashboard/state.json` through the real HTTP app (Starlette's TestClient, admin view of
   all sessions), `--repeats` polls back to back: the first rebuilds the reading, the rest share it.
+With `--evicted N` persistence is on (a temporary snapshot directory) and N more sessions, made the same
+way first, are evicted to snapshots (a 1 s TTL run out, their saves flushed): every reading also lists
+them ("evicted to snapshot", from Persistence.saved's index; the default, 0, keeps persistence off as in
+the recorded results). At the end, a second engine opens the same directory, as after a restart: its first
+reading reads every manifest and blob size once to build the index, its second one does not.
 Then, at the largest count, decode tokens/s of one session generating `--decode-tokens` greedy tokens:
 alone, while a thread rebuilds readings back to back (the worst a flood of polls could do if the cache
 did not exist), and while a thread polls the endpoint ten times a second (what open pages do).
@@ -17,6 +22,7 @@ Writes bench/results/dashboard.json and .png.
 from __future__ import annotations
 
 import argparse
+import tempfile
 import threading
 import time
 from statistics import median
@@ -37,15 +43,32 @@ GREEDY = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 HISTORY_IDS = 32
 
 
-def add_sessions(llm: LLM, count: int, start: int) -> None:
+def add_sessions(llm: LLM, count: int, start: int, ttl_s: float | None = None) -> None:
     """`count` more sessions, each prefilled (one greedy token), generated concurrently in batches."""
     for first in range(start, start + count, 64):
         streams = []
         for seed in range(first, min(first + 64, start + count)):
-            session_id = llm.sessions.create(common.random_ids(HISTORY_IDS, seed=seed))
+            session_id = llm.sessions.create(common.random_ids(HISTORY_IDS, seed=seed), ttl_s=ttl_s)
             streams.append(llm.sessions.generate(session_id, GREEDY))
         for stream in streams:
             stream.result()
+
+
+def evict_sessions(llm: LLM, count: int) -> None:
+    """`count` sessions evicted to snapshots: made with the shortest TTL, which runs out, then saved."""
+    add_sessions(llm, count, start=1_000_000, ttl_s=1.0)
+    time.sleep(1.5)
+    llm.sessions.expire()  # those still in memory (making the later ones expired the first already)
+    assert len(llm.sessions) == 0 and llm.persistence is not None and llm.persistence.flush(600)
+
+
+def after_restart(snapshot_dir: str) -> dict[str, float]:
+    """The first and second uncached reading of a fresh engine over the snapshots left behind."""
+    with LLM(max_sessions=16, snapshot_dir=snapshot_dir) as again:
+        state = DashboardState(again, health=dict, refresh_s=0.0)
+        first, reading = common.timed(state.reading)
+        second, _ = common.timed(state.reading)
+        return {"first_reading_s": first, "second_reading_s": second, "listed": len(reading.evicted)}
 
 
 def measure_count(llm: LLM, http: TestClient, repeats: int) -> dict[str, Any]:
@@ -114,6 +137,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--decode-repeats", type=int, default=3)
+    parser.add_argument("--evicted", type=int, default=0, help="sessions evicted to snapshots (persistence on)")
 
     def quick(args: argparse.Namespace) -> None:
         args.sessions, args.repeats, args.decode_tokens, args.decode_repeats = [10, 50], 3, 16, 1
@@ -121,7 +145,11 @@ def main() -> None:
     args = common.parse_run_args(parser, "dashboard", "10 and 50 sessions, 3 repeats", quick)
     common.warn_if_busy()
     common.set_threads()
-    llm = LLM(max_sessions=max(args.sessions) + 16, session_ttl_s=86400.0)
+    snapshots = tempfile.TemporaryDirectory(prefix="kiln-bench-dashboard-") if args.evicted else None
+    llm = LLM(max_sessions=max(args.sessions) + args.evicted + 16, session_ttl_s=86400.0,
+              snapshot_dir=snapshots.name if snapshots else None)
+    if args.evicted:
+        evict_sessions(llm, args.evicted)
     http = TestClient(build_http_app(RuntimeService(llm, "kiln"), ApiKeys(), Metrics(llm)))
     http.get("/dashboard/state.json")  # untimed warm-up: the test client's event loop and thread pool
     counts: dict[str, Any] = {}
@@ -131,7 +159,7 @@ def main() -> None:
         made = count
         counts[str(count)] = measure_count(llm, http, args.repeats)
         row = counts[str(count)]
-        print(f"{count} sessions: reading median {row['reading_s']['median'] * 1e3:.1f} ms, JSON {row['json_bytes']} B "
+        print(f"{count} sessions (+{args.evicted} evicted): reading median {row['reading_s']['median'] * 1e3:.1f} ms, JSON {row['json_bytes']} B "
               f"in {row['json_s']['median'] * 1e3:.1f} ms, served cached median {row['served_cached_s']['median'] * 1e3:.1f} ms")
     decode = []
     for repeat in range(args.decode_repeats):
@@ -140,9 +168,15 @@ def main() -> None:
             print(f"decode with {load}: {decode[-1]['decode_tokens_per_s']:.1f} tok/s ({decode[-1]['load_operations']} ops)")
     by_load = {load: median(d["decode_tokens_per_s"] for d in decode if d["load"] == load)
                for load in ("none", "rebuild", "poll")}
-    payload = {"machine": common.machine_info(), "args": vars(args), "history_ids": HISTORY_IDS,
+    usage = vars(llm.engine.kv_usage())
+    llm.close()
+    restart = after_restart(snapshots.name) if snapshots is not None else None
+    if restart is not None:
+        print(f"after a restart: first reading {restart['first_reading_s'] * 1e3:.1f} ms (reads the store), "
+              f"second {restart['second_reading_s'] * 1e3:.1f} ms, {restart['listed']} sessions listed")
+    payload = {"machine": common.machine_info(), "args": vars(args), "history_ids": HISTORY_IDS, "after_restart": restart,
                "counts": counts, "decode_runs": decode, "decode_tokens_per_s_median": by_load,
-               "kv_usage": vars(llm.engine.kv_usage())}
+               "kv_usage": usage}
     print(f"wrote {common.write_results(args.name, payload)}")
     groups = list(counts)
     common.plot_bars(args.name, [
@@ -154,7 +188,8 @@ def main() -> None:
         (f"decode tokens/s at {groups[-1]} sessions", ["alone", "readings back to back", "polled 10/s"],
          {"decode": [by_load["none"], by_load["rebuild"], by_load["poll"]]}),
     ], "Dashboard: the JSON endpoint's cost against live sessions")
-    llm.close()
+    if snapshots is not None:
+        snapshots.cleanup()
 
 
 if __name__ == "__main__":

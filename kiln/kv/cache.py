@@ -39,6 +39,7 @@ class PoolUsage:
     used: int
     cached: int
     free: int
+    evicted: int = 0  # cached pages taken for new content since the start (the prefix cache's LRU evictions)
 
 
 class KVCache:
@@ -61,6 +62,7 @@ class KVCache:
         self._page_of: dict[Key, int] = {}
         self._key_of: dict[int, Key] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages, least recently used first
+        self._evicted = 0
 
     # ---- the pool as a whole ------------------------------------------------------------------------
 
@@ -78,7 +80,8 @@ class KVCache:
 
     def usage(self) -> PoolUsage:
         cached = len(self._lru)
-        return PoolUsage(used=self.num_pages - len(self._free) - cached, cached=cached, free=len(self._free))
+        return PoolUsage(used=self.num_pages - len(self._free) - cached, cached=cached, free=len(self._free),
+                         evicted=self._evicted)
 
     @property
     def committed_bytes(self) -> int:
@@ -351,6 +354,7 @@ class KVCache:
         else:
             page, _ = self._lru.popitem(last=False)
             del self._page_of[self._key_of.pop(page)]
+            self._evicted += 1
         self.refcount[page] = 1
         return page
 

@@ -3,6 +3,10 @@ store and persistence, plus a short history of rates, rebuilt at most every REFR
 poll. A reading takes the store lock only to copy its table and the engine lock one session at a time
 (SessionStore.survey), so a flood of polls costs one survey per interval and never stalls a step.
 
+Sessions not in memory but revivable from their snapshots ("evicted to snapshot") and every row's last
+snapshot come from Persistence.saved: an index kept in memory as saves happen (the store is read once,
+manifests and blob sizes, never blobs), so they cost a reading a dictionary copy.
+
 Every caller shares the reading; `view` cuts it down to the sessions the caller may see (its own, or
 all for an admin key or with auth off). Aggregates (pool, counters, latency) are shown to every
 authenticated caller: they are what /metrics already publishes.
@@ -21,12 +25,15 @@ from dataclasses import asdict, dataclass, field
 from kiln.engine.sequence import Request
 from kiln.llm import LLM
 from kiln.results import LiveSession
-from kiln.snapshots.persistence import SnapshotStats
+from kiln.snapshots.manifest import KIND_SESSION, owner_digest, session_snapshot_id
+from kiln.snapshots.persistence import SavedSnapshot, SnapshotStats
 
 REFRESH_S = 0.5  # a reading is reused for this long (the page polls every second)
 HISTORY_STEP_S = 1.0  # one history point per second at most
 HISTORY_POINTS = 600  # ten minutes of history
 LATENCY_WINDOW_S = 15.0  # the percentiles of a history point cover the turns of this window
+EVICTION_REASONS = ("cached", "idle", "paused", "waiting", "preempted")  # see `_evicted_tokens`
+EVICTED_STATE = "evicted to snapshot"
 
 
 @dataclass(frozen=True)
@@ -47,20 +54,32 @@ class _Totals:
     generated: int
     saves: int
     restores: int
+    written_bytes: int
+    dedup_bytes: int
+    evicted: dict[str, int]  # K/V tokens evicted by reason
 
 
 @dataclass(frozen=True)
 class Reading:
-    """One shared reading: the aggregates (JSON-ready) and every live session."""
+    """One shared reading: the aggregates (JSON-ready), every live session, every snapshot by id and the
+    session snapshots of sessions not in memory."""
 
     overview: dict
     sessions: tuple[LiveSession, ...]
+    snapshots: dict[str, SavedSnapshot] = field(default_factory=dict)
+    evicted: tuple[SavedSnapshot, ...] = ()
     taken_at: float = field(default_factory=time.monotonic)
     _encoded: dict[tuple[str | None, bool], bytes] = field(default_factory=dict, compare=False, repr=False)
 
     def view(self, owner: str | None, sees_all: bool) -> dict:
-        rows = [_row(s, sees_all) for s in self.sessions if sees_all or s.owner == owner]
+        digest = owner_digest(owner)
+        rows = [_row(s, self._own_snapshot(s.info.session_id), sees_all)
+                for s in self.sessions if sees_all or s.owner == owner]
+        rows += [_evicted_row(saved, sees_all) for saved in self.evicted if sees_all or saved.owner == digest]
         return {**self.overview, "sees_all": sees_all, "sessions": rows}
+
+    def _own_snapshot(self, session_id: str) -> SavedSnapshot | None:
+        return self.snapshots.get(session_snapshot_id(session_id))
 
     def encoded(self, owner: str | None, sees_all: bool) -> bytes:
         """`view` as JSON, encoded once per caller scope and reading (many open pages, one encoding)."""
@@ -70,13 +89,23 @@ class Reading:
         return self._encoded[key]
 
     def session(self, session_id: str, owner: str | None, sees_all: bool) -> dict | None:
-        """A session's drill-down: its row, its turns and its pages by KV group (None: not visible)."""
+        """A session's drill-down: its row, its turns, its pages by KV group and its snapshots (its own
+        and its checkpoints, newest first); None: not visible."""
+        digest = owner_digest(owner)
+        snapshots = sorted((_snapshot(saved) for saved in self.snapshots.values()
+                            if saved.session_id == session_id and (sees_all or saved.owner == digest)),
+                           key=lambda snapshot: -snapshot["saved_at"])
         for live in self.sessions:
             if live.info.session_id == session_id and (sees_all or live.owner == owner):
                 info = live.info
                 global_pages = info.global_kv_bytes // self.overview["pool"]["page_bytes"]
-                return {**_row(live, sees_all), "turns": [asdict(turn) for turn in live.turns],
+                return {**_row(live, self._own_snapshot(session_id), sees_all), "snapshots": snapshots,
+                        "turns": [asdict(turn) for turn in live.turns],
                         "pages_by_group": {"global": global_pages, "sliding_window": info.resident_pages - global_pages}}
+        for saved in self.evicted:
+            if saved.session_id == session_id and (sees_all or saved.owner == digest):
+                return {**_evicted_row(saved, sees_all), "snapshots": snapshots, "turns": [],
+                        "pages_by_group": {"global": 0, "sliding_window": 0}}
         return None
 
 
@@ -111,18 +140,23 @@ class DashboardState:
     def _read(self) -> Reading:
         llm, engine, store = self.llm, self.llm.engine, self.llm.sessions
         sessions = tuple(store.survey(everyone=True))
+        persistence = llm.persistence
+        saved = {snapshot.snapshot_id: snapshot for snapshot in persistence.saved()} if persistence is not None else {}
+        resident = {session_snapshot_id(live.info.session_id) for live in sessions}
+        evicted = tuple(snapshot for snapshot_id, snapshot in saved.items()
+                        if snapshot.kind == KIND_SESSION and snapshot_id not in resident)
         usage = engine.kv_usage_nowait()
         tiers = engine.tier_usage()
         stats = engine.stats
         with store.lock:
             outcomes, evictions = dict(store.outcomes), dict(store.evictions)
             violations = dict(store.invariant_violations)
-        persistence = llm.persistence
         snapshots = persistence.stats if persistence is not None else SnapshotStats()
         kv_format = engine.kv_format
         totals = _Totals(time.monotonic(), stats.prefill_tokens + stats.reused_tokens, stats.reused_tokens,
                          stats.prefill_tokens, stats.generated_tokens, sum(snapshots.saves.values()),
-                         sum(snapshots.restores.values()))
+                         sum(snapshots.restores.values()), snapshots.bytes_written, snapshots.dedup_bytes,
+                         _evicted_tokens(usage.evicted, stats.kv_dropped_tokens, kv_format.page_size))
         self._sample(totals, usage)
         overview = {
             "generated_at": time.time(),
@@ -131,7 +165,7 @@ class DashboardState:
                         "page_size": kv_format.page_size, "speculative": llm.config.speculative or "off",
                         "kv_policy": llm.config.kv_policy},
             "pool": {"used": usage.used, "cached": usage.cached, "free": usage.free, "pages": engine.kv_pages,
-                     "page_bytes": engine.kv_page_bytes},
+                     "page_bytes": engine.kv_page_bytes, "evicted_tokens": totals.evicted},
             "tiers": {"bytes": dict(tiers.bytes), "budget_bytes": dict(tiers.budget_bytes),
                       "failed_disk_writes": tiers.failed_disk_writes},
             "tokens": {"prefilled": stats.prefill_tokens, "reused": stats.reused_tokens,
@@ -155,7 +189,7 @@ class DashboardState:
             },
             "history": list(self._history),
         }
-        return Reading(overview, sessions)
+        return Reading(overview, sessions, saved, evicted)
 
     def _sample(self, totals: _Totals, usage) -> None:  # noqa: ANN001 - PoolUsage
         """Append a history point when HISTORY_STEP_S has passed since the last one: rates over the gap,
@@ -179,6 +213,9 @@ class DashboardState:
             "turn_p50": _percentile([f.total_s for f in recent], 50),
             "turn_p95": _percentile([f.total_s for f in recent], 95),
             "saves": totals.saves - last.saves, "restores": totals.restores - last.restores,
+            "written_bps": (totals.written_bytes - last.written_bytes) / span,
+            "dedup_bps": (totals.dedup_bytes - last.dedup_bytes) / span,
+            **{f"evicted_{reason}": (totals.evicted[reason] - last.evicted[reason]) / span for reason in EVICTION_REASONS},
         })
 
 
@@ -190,17 +227,50 @@ def _percentile(values: list[float], p: int) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[p - 1]
 
 
-def _row(live: LiveSession, sees_all: bool) -> dict:
+def _evicted_tokens(cached_pages: int, dropped: dict[str, int], page_size: int) -> dict[str, int]:
+    """K/V tokens evicted since the start, by reason: "cached", the prefix cache's least recently used
+    pages taken for new content (full pages, so pages × page size); the others, a sequence's K/V given
+    back for room (EngineStats.kv_dropped_tokens: an idle session, a paused or waiting request, a
+    preempted one). Its history stays; the K/V is recomputed when needed."""
+    return {"cached": cached_pages * page_size, **{reason: dropped.get(reason, 0) for reason in EVICTION_REASONS[1:]}}
+
+
+def _owner(digest: str, sees_all: bool) -> str | None:
+    """The owner column (admin views only): a prefix of the owner's digest, which resident and evicted
+    sessions both know."""
+    return digest.removeprefix("sha256:")[:8] if sees_all else None
+
+
+def _snapshot(saved: SavedSnapshot) -> dict:
+    return {"id": saved.snapshot_id, "kind": saved.kind, "saved_at": saved.saved_at,
+            "history": saved.history_tokens, "bytes": saved.stored_bytes}
+
+
+def _evicted_row(saved: SavedSnapshot, sees_all: bool) -> dict:
+    """A session not in memory: what its snapshot says (its next call revives it)."""
+    return {
+        "id": saved.session_id, "owner": _owner(saved.owner, sees_all),
+        "history": saved.history_tokens, "resident_tokens": 0, "pages": 0,
+        "resident_bytes": 0, "host_bytes": 0, "disk_bytes": 0,
+        "policy": saved.policy.partition(":")[0], "reused": None, "prefilled": None,
+        "last_turn_s": None, "idle_s": max(0.0, time.time() - saved.saved_at), "ttl_s": saved.ttl_s,
+        "state": EVICTED_STATE, "last_saved_at": saved.saved_at, "snapshot_bytes": saved.stored_bytes,
+        "unsaved": False, "save_failures": 0, "turns": 0,
+    }
+
+
+def _row(live: LiveSession, saved: SavedSnapshot | None, sees_all: bool) -> dict:
     info = live.info
     last = live.turns[-1] if live.turns else None
     return {
         "id": info.session_id,
-        "owner": (live.owner or "")[:8] if sees_all else None,
+        "owner": _owner(owner_digest(live.owner), sees_all),
         "history": info.history_tokens, "resident_tokens": info.computed_tokens, "pages": info.resident_pages,
         "resident_bytes": info.resident_kv_bytes, "host_bytes": info.host_tier_bytes, "disk_bytes": info.disk_tier_bytes,
         "policy": info.kv_policy, "reused": info.reused_tokens, "prefilled": info.last_prefill_tokens,
         "last_turn_s": last.total_s if last else None, "idle_s": info.idle_s, "ttl_s": info.ttl_s,
-        "state": _state(live), "last_saved_at": info.last_saved_at, "unsaved": info.unsaved_changes,
+        "state": _state(live), "last_saved_at": info.last_saved_at,
+        "snapshot_bytes": saved.stored_bytes if saved is not None else None, "unsaved": info.unsaved_changes,
         "save_failures": info.save_failures, "turns": len(live.turns),
     }
 
@@ -211,6 +281,6 @@ def _state(live: LiveSession) -> str:
         return "failed"
     if info.generating:
         return "running"
-    if info.history_tokens and info.computed_tokens == 0:
-        return "dropped"  # K/V given back for room: the next turn recomputes it
+    if live.turns and info.history_tokens and info.computed_tokens == 0:
+        return "dropped"  # K/V given back for room: the next turn recomputes it (a new session has none yet)
     return "idle"

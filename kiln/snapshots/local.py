@@ -72,6 +72,16 @@ class DirectoryStore(SnapshotStore):
     def missing(self, digests: Iterable[str]) -> set[str]:
         return {d for d in digests if not self._blob_path(d).exists()}
 
+    def blob_sizes(self, digests: Iterable[str]) -> dict[str, int]:
+        sizes = {}
+        with _io_errors("reading a snapshot blob's size"):
+            for digest in digests:
+                try:
+                    sizes[digest] = self._blob_path(digest).stat().st_size
+                except FileNotFoundError:
+                    continue
+        return sizes
+
     def get_blob(self, digest: str) -> bytes | None:
         with _io_errors("reading a snapshot blob"):
             try:

@@ -13,6 +13,8 @@ and the saver never waits on the store's lock.
   session's history is never dropped for a failed save; failures are counted by code and per session
   (`status`). `load(id, owner)` brings a session that is not in memory back: its newest queued capture,
   else its snapshot. `delete_session` (close) deletes the snapshot, or raises and changes nothing.
+- Listing without the store: `saved()` describes every snapshot this process knows (owner, history,
+  time, stored size) from an index updated by each save and delete; the store is read once to seed it.
 
 Durability rule: every change to a session (its creation, an append, a fork, a turn's end) is captured
 and queued by the thread that made it before the change is acknowledged, and survives a crash once the
@@ -177,6 +179,24 @@ class StoredSession:
     last_saved_at: float | None  # None: its newest state is queued, not yet saved
 
 
+@dataclass(frozen=True)
+class SavedSnapshot:
+    """A stored snapshot as described without its blobs: what the dashboard lists (a session not in
+    memory, a session's checkpoints). `stored_bytes` is what the snapshot occupies in the store if it
+    stood alone: its manifest plus every page blob it references, compressed as stored; a blob shared
+    with other snapshots (a common prefix, an earlier turn) is counted in each of them."""
+
+    snapshot_id: str
+    kind: str  # KIND_SESSION | KIND_CHECKPOINT
+    owner: str  # owner_digest of the creator
+    session_id: str
+    history_tokens: int
+    policy: str  # KVPolicy key
+    ttl_s: float
+    saved_at: float  # unix seconds
+    stored_bytes: int
+
+
 @dataclass
 class _Record:
     last_saved_at: float | None = None
@@ -202,6 +222,10 @@ class Persistence:
         self._records: dict[str, _Record] = {}
         self._deleting: set[str] = set()  # sessions being closed: the saver leaves them alone
         self._closed: OrderedDict[str, None] = OrderedDict()
+        self._saved: dict[str, SavedSnapshot] = {}  # snapshot id -> its newest save this process knows
+        self._seeded = False  # whether the store's snapshots from before this process were read (`saved`)
+        self._gone_while_seeding: set[str] | None = None
+        self._seed_lock = threading.Lock()
         self._stale = threading.Event()  # set when a queued capture goes stale (the keeper recaptures)
         self._attempts = 0  # saves the saver has tried (`flush` waits for each queued job's next try)
         self._calls = 0  # explicit saves running in callers' threads (they use the encoding pool)
@@ -243,6 +267,43 @@ class Persistence:
     def delete(self, snapshot_id: str, owner: str | None) -> None:
         manifest = self._manifest(snapshot_id, owner)
         self.store.delete_manifest(manifest.snapshot_id)
+        with self._cond:
+            self._unsave(manifest.snapshot_id)
+
+    def saved(self) -> list[SavedSnapshot]:
+        """Every snapshot this process knows of, read without blobs: what the store held the first time
+        this was asked (manifests and blob sizes, read once), then every save and delete made here since
+        (snapshots other servers write to a shared store later are not seen). Cheap after the first call."""
+        if not self._seeded:
+            self._seed()
+        with self._cond:
+            return list(self._saved.values())
+
+    def _seed(self) -> None:
+        with self._seed_lock:
+            if self._seeded:
+                return
+            with self._cond:
+                self._gone_while_seeding = set()
+            try:
+                manifests = self.store.manifests()
+                sizes = self.store.blob_sizes({d for m in manifests for d in m.digests()})
+            except UnavailableError as error:
+                logger.warning("the snapshot store's earlier snapshots are not listed yet: %s", error)
+                manifests = None
+            with self._cond:
+                gone, self._gone_while_seeding = self._gone_while_seeding or set(), None
+                if manifests is None:
+                    return
+                found = {m.snapshot_id: _saved(m, sizes) for m in manifests if m.snapshot_id not in gone}
+                self._saved = {**found, **self._saved}  # a save made meanwhile is newer than the store's read
+                self._seeded = True
+
+    def _unsave(self, snapshot_id: str) -> None:
+        """Forget a deleted snapshot (under the condition)."""
+        self._saved.pop(snapshot_id, None)
+        if self._gone_while_seeding is not None:
+            self._gone_while_seeding.add(snapshot_id)
 
     def _manifest(self, snapshot_id: str, owner: str | None) -> Manifest:
         manifest = self.store.get_manifest(check_snapshot_id(snapshot_id))
@@ -356,6 +417,7 @@ class Persistence:
             job = self._jobs.pop(session_id, None)
             self._drop_memo(session_id)
             self._records.pop(session_id, None)
+            self._unsave(session_snapshot_id(session_id))
             self._closed[session_id] = None
             while len(self._closed) > CLOSED_REMEMBERED:
                 self._closed.popitem(last=False)
@@ -552,13 +614,13 @@ class Persistence:
         try:
             fence = self._fence(capture.session_id) if kind == KIND_SESSION else None
             try:
-                report, digests = self._write(capture, snapshot_id, kind, fence)
+                report, digests, saved = self._write(capture, snapshot_id, kind, fence)
             except (MissingPagesError, LeaseLostError):
                 raise
             except FailedPreconditionError:
                 with self._cond:
                     self._forget(capture.session_id)
-                report, digests = self._write(capture, snapshot_id, kind, fence)
+                report, digests, saved = self._write(capture, snapshot_id, kind, fence)
         except KilnError as error:
             with self._cond:
                 self.stats.save_failures[error.code] += 1
@@ -571,6 +633,8 @@ class Persistence:
                     key: (image.pages[key[0]][key[1]], digest) for key, digest in digests.items() if key[1] < full
                 }
             self.stats.saves[kind] += 1
+            if capture.session_id not in self._closed:  # a save that raced its session's close is no snapshot
+                self._saved[snapshot_id] = saved
             self.stats.bytes_written += report.bytes_written
             self.stats.blobs_written += report.blobs_written
             self.stats.dedup_bytes += report.blobs_deduplicated * self.engine.kv_page_bytes
@@ -590,7 +654,7 @@ class Persistence:
         return lease
 
     def _write(self, capture: SessionCapture, snapshot_id: str, kind: str,
-               fence: Lease | None) -> tuple[SaveReport, dict[PageKey, str]]:
+               fence: Lease | None) -> tuple[SaveReport, dict[PageKey, str], SavedSnapshot]:
         image = capture.image
         keys = list(image.blocks)
         digests = dict(zip(keys, self._map(lambda key: blobs.digest(_buffer(image.blocks[key])), keys), strict=True))
@@ -605,6 +669,7 @@ class Persistence:
             raise MissingPagesError(f"session {capture.session_id}: {len(lost)} page blob(s) saved before are gone "
                                     "from the store; the session is captured again")
         fresh = {digest: key for key, digest in digests.items() if digest in missing}
+        stored = self.store.blob_sizes(set(digests.values()) - missing)  # the snapshot's size (`saved`)
         compressed = dict(zip(fresh, self._map(lambda d: blobs.compress(_buffer(image.blocks[fresh[d]])), list(fresh)), strict=True))
         layout = self.engine.kv_layout
         groups = tuple(
@@ -617,7 +682,8 @@ class Persistence:
             token_ids=tuple(image.tokens), num_computed=image.num_computed, groups=groups,
             session_created_at=capture.created_at,
         )
-        return self.store.save(manifest, compressed, fence=fence), digests
+        report = self.store.save(manifest, compressed, fence=fence)
+        return report, digests, _saved(manifest, {**stored, **{digest: len(blob) for digest, blob in compressed.items()}})
 
     def _map(self, fn: Callable[[T], R], items: list[T]) -> list[R]:
         """fn over items on the encoding threads, in about one batch per thread (a future per page would
@@ -650,6 +716,13 @@ def _tell(waiters: list[Waiter], error: Exception | None) -> None:
 def _buffer(block: torch.Tensor) -> memoryview:
     """A CPU page's bytes (uint8 [page_nbytes]) without a copy."""
     return memoryview(block.numpy())
+
+
+def _saved(manifest: Manifest, blob_sizes: dict[str, int]) -> SavedSnapshot:
+    """A manifest's SavedSnapshot; `blob_sizes` holds at least the sizes of the blobs it references."""
+    stored = len(manifest.to_json()) + sum(blob_sizes.get(digest, 0) for digest in manifest.digests())
+    return SavedSnapshot(manifest.snapshot_id, manifest.kind, manifest.owner, manifest.session_id or "",
+                         len(manifest.token_ids), manifest.policy, manifest.ttl_s, manifest.created_at, stored)
 
 
 def _info(manifest: Manifest) -> SnapshotInfo:

@@ -113,6 +113,16 @@ class RedisStore(SnapshotStore):
                 pipe.exists(PREFIX + "blob:" + digest)
             return {d for d, present in zip(wanted, pipe.execute(), strict=True) if not present}
 
+    def blob_sizes(self, digests: Iterable[str]) -> dict[str, int]:
+        wanted = list(digests)
+        if not wanted:
+            return {}
+        with _redis_errors("reading the snapshot store"):
+            pipe = self.client.pipeline(transaction=False)
+            for digest in wanted:
+                pipe.strlen(PREFIX + "blob:" + digest)
+            return {d: size for d, size in zip(wanted, pipe.execute(), strict=True) if size}
+
     def get_blob(self, digest: str) -> bytes | None:
         with _redis_errors("reading a snapshot blob"):
             return self.client.get(PREFIX + "blob:" + digest)

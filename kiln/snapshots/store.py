@@ -105,6 +105,11 @@ class SnapshotStore(ABC):
         (LeaseLostError otherwise, manifest unwritten)."""
 
     @abstractmethod
+    def blob_sizes(self, digests: Iterable[str]) -> dict[str, int]:
+        """The stored (compressed) size of each digest among `digests` that has a blob; absent ones are
+        left out. Reads no blob (a stat, a STRLEN)."""
+
+    @abstractmethod
     def get_blob(self, digest: str) -> bytes | None:
         """The compressed blob, or None if it is not stored."""
 

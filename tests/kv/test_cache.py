@@ -133,9 +133,11 @@ def test_lru_evicts_least_recently_released_first():
     cache.release(old)
     cache.release(new)
     assert cache.cached_pages() == [old_page, new_page]
+    assert cache.usage().evicted == 0
     taker = PageTable.empty(1)
     assert cache.ensure(taker, 5 * PS)  # 4 free, then the oldest cached page
     assert taker.pages[0][-1] == old_page
+    assert cache.usage().evicted == 1  # counted by the dashboard's evictions chart
     assert cache.attach(PageTable.empty(1), [1, 2, 3, 4, 5]) == 0
     assert cache.lookup(0, new_hash) == new_page
 

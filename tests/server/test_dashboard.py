@@ -1,11 +1,13 @@
-"""The dashboard (kiln/server/dashboard.py): its routes and who sees what, in process; then the page in a
-real headless Chromium (Playwright driving Debian's `chromium`, which `make test` installs when missing)
-against real `kiln serve`s, with sessions made over gRPC."""
+"""The dashboard (kiln/server/dashboard.py): its routes and who sees what, in process; then the page in
+real headless browsers against real `kiln serve`s, with sessions made over gRPC: Chromium (Playwright
+driving Debian's `chromium`) and Firefox (Debian's `firefox-esr` over WebDriver BiDi,
+tests/server/webdriver_bidi.py); `make test` installs both when missing."""
 
 from __future__ import annotations
 
 import hashlib
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -15,10 +17,13 @@ from kiln.client import Client
 from kiln.engine.sampler import SamplingParams
 from kiln.server.app import ServeOptions, try_it
 from kiln.server.auth import ApiKeys, identity_of
-from kiln.server.dashboard_state import DashboardState
+from kiln.server.dashboard_state import EVICTION_REASONS, HISTORY_STEP_S, DashboardState
 from kiln.server.http import build_http_app
 from kiln.server.metrics import Metrics
 from kiln.server.service import RuntimeService
+from kiln.snapshots.manifest import Manifest, session_snapshot_id
+from tests.server.conftest import free_port
+from tests.server.webdriver_bidi import BidiSession, Tab, firefox, firefox_executable
 
 ADMIN_KEYS = """
 [keys.alice]
@@ -101,6 +106,68 @@ def test_polls_share_one_reading(tiny_llm, monkeypatch):
     assert len(readings) == 1 and len(surveys) == 1
 
 
+def _stored_bytes(root: Path, snapshot_id: str) -> int:
+    """A snapshot's size as the dashboard defines it, measured on disk: its manifest file plus the blob
+    files it references."""
+    manifest = Manifest.from_json((root / "manifests" / f"{snapshot_id}.json").read_bytes(), snapshot_id)
+    blobs = sum((root / "blobs" / digest[:2] / f"{digest}.zst").stat().st_size for digest in manifest.digests())
+    return (root / "manifests" / f"{snapshot_id}.json").stat().st_size + blobs
+
+
+def test_sessions_evicted_to_snapshots_are_listed_with_their_snapshots(tiny_llm, tmp_path):
+    """A session the LRU cap evicted is listed, for its owner only, as "evicted to snapshot" with its
+    history and last snapshot (time and size); a drill-down lists a session's snapshot and checkpoint;
+    after a restart every saved session is listed so, read from the store."""
+    llm = tiny_llm("llama", snapshot_dir=str(tmp_path), max_sessions=2, speculative=None)
+    store, alice, bob = llm.sessions, identity_of("alice"), identity_of("bob")
+    evicted = store.create(list(range(1, 40)), owner=alice)
+    store.generate(evicted, SamplingParams(max_tokens=6, temperature=0.0), owner=alice).result()
+    kept = store.create([5, 6, 7], owner=bob)
+    checkpoint = store.snapshot(kept, owner=bob)
+    store.create([8, 9], owner=bob)  # the cap evicts alice's session, least recently used
+    assert llm.persistence.flush(30)
+    state = DashboardState(llm, health=dict, refresh_s=0)
+
+    rows = {row["id"]: row for row in state.reading().view(alice, sees_all=False)["sessions"]}
+    assert list(rows) == [evicted]
+    row = rows[evicted]
+    assert row["state"] == "evicted to snapshot" and row["history"] == 45 and row["resident_bytes"] == 0
+    assert abs(row["last_saved_at"] - time.time()) < 60
+    assert row["snapshot_bytes"] == _stored_bytes(tmp_path, session_snapshot_id(evicted))
+    bobs = state.reading().view(bob, sees_all=False)["sessions"]
+    assert evicted not in {row["id"] for row in bobs} and {row["state"] for row in bobs} == {"idle"}
+    assert all(row["snapshot_bytes"] == _stored_bytes(tmp_path, session_snapshot_id(row["id"])) for row in bobs)
+    assert state.reading().session(evicted, bob, sees_all=False) is None
+
+    detail = state.reading().session(kept, bob, sees_all=False)
+    assert {(s["id"], s["kind"]) for s in detail["snapshots"]} == {(session_snapshot_id(kept), "session"),
+                                                                  (checkpoint, "checkpoint")}
+    assert {s["id"]: s["bytes"] for s in detail["snapshots"]}[checkpoint] == _stored_bytes(tmp_path, checkpoint)
+    assert state.reading().session(evicted, alice, sees_all=False)["snapshots"][0]["history"] == 45
+
+    llm.close()  # a restart: nothing is in memory, everything is in the store
+    again = DashboardState(tiny_llm("llama", snapshot_dir=str(tmp_path), speculative=None), health=dict, refresh_s=0)
+    everyone = again.reading().view(None, sees_all=True)["sessions"]
+    assert {row["state"] for row in everyone} == {"evicted to snapshot"} and len(everyone) == 3
+    assert {row["id"]: row["snapshot_bytes"] for row in everyone}[evicted] == row["snapshot_bytes"]
+    assert {s["id"] for s in again.reading().session(kept, bob, sees_all=False)["snapshots"]} == {
+        checkpoint, session_snapshot_id(kept)}
+
+
+def test_evictions_are_charted_by_reason(tiny_llm):
+    """Prefix-cache pages taken for new content count as "cached" K/V evicted (tokens per second)."""
+    llm = tiny_llm("llama", kv_pages=12, speculative=None)
+    state = DashboardState(llm, health=dict, refresh_s=0)
+    state.reading()
+    for seed in range(6):  # each stateless prompt leaves its full pages cached; later ones need their pages
+        llm.generate([[(seed * 37 + i * 11) % 256 for i in range(40)]], SamplingParams(max_tokens=2, temperature=0.0))
+    time.sleep(HISTORY_STEP_S)
+    reading = state.reading()
+    assert reading.overview["pool"]["evicted_tokens"]["cached"] > 0
+    assert reading.overview["history"][-1]["evicted_cached"] > 0
+    assert set(reading.overview["pool"]["evicted_tokens"]) == set(EVICTION_REASONS)
+
+
 def test_the_banner_names_the_dashboard():
     assert "Dashboard (" in try_it(ServeOptions(http_port=8123), auth=False)
     assert "http://127.0.0.1:8123/dashboard (it asks for an API key)" in try_it(ServeOptions(http_port=8123), auth=True)
@@ -134,9 +201,12 @@ def page(browser):
 
 
 POOL_USED = "JSON.parse(document.querySelector('#chart-pool').dataset.last || '{}').used"
+ROW_HISTORY = "document.querySelector(\"#sessions tr[data-id='{id}'] td.history\")?.textContent === '{history:,}'"
 
 
 def test_the_page_shows_a_new_session_and_the_pool_moving(tiny_server, page, tmp_path):
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
     page.goto(f"{tiny_server.http_url}/dashboard")
     page.wait_for_selector("#health.ok", timeout=10_000)
     page.wait_for_function(f"Number.isInteger({POOL_USED})", timeout=10_000)  # the first point of the pool chart
@@ -148,8 +218,7 @@ def test_the_page_shows_a_new_session_and_the_pool_moving(tiny_server, page, tmp
         history = session.info().history_tokens
         row = f"#sessions tr[data-id='{session.id}']"
         page.wait_for_selector(row, timeout=10_000)
-        page.wait_for_function("([row, n]) => document.querySelector(row + ' td.history')?.textContent === n",
-                               arg=[row, f"{history:,}"], timeout=10_000)
+        page.wait_for_function(ROW_HISTORY.format(id=session.id, history=history), timeout=10_000)
         # the session's pages show on the pool chart
         page.wait_for_function(f"{POOL_USED} > {used_before}", timeout=10_000)
         page.locator(row).click()
@@ -159,6 +228,40 @@ def test_the_page_shows_a_new_session_and_the_pool_moving(tiny_server, page, tmp
         page.screenshot(path=str(shot), full_page=True)
         assert shot.stat().st_size > 10_000
         session.close()
+    assert errors == []
+
+
+@pytest.fixture(scope="module")
+def firefox_session() -> BidiSession:
+    executable = firefox_executable()
+    if executable is None:
+        pytest.skip("no firefox: `apt-get install firefox-esr` (make test installs it when run as root)")
+    with firefox(executable, free_port()) as session:
+        yield session
+
+
+def test_the_page_works_in_firefox(tiny_server, firefox_session, tmp_path):
+    """The same page in stock Firefox: it loads without script errors, a session made over gRPC shows as a
+    row with its history length, the pool chart draws the session's pages, a screenshot is taken."""
+    tab = Tab(firefox_session, 1280, 800)
+    tab.goto(f"{tiny_server.http_url}/dashboard")
+    tab.wait_for("document.querySelector('#health.ok') !== null")
+    tab.wait_for(f"Number.isInteger({POOL_USED})")
+    used_before = tab.evaluate(POOL_USED)
+    with Client(tiny_server.grpc_address, tokenizer="server") as client:
+        session = client.create_session()
+        session.append_text("Firefox watches this session. " * 4)
+        "".join(session.generate_text(max_tokens=24))
+        history = session.info().history_tokens
+        tab.wait_for(ROW_HISTORY.format(id=session.id, history=history))
+        tab.wait_for(f"{POOL_USED} > {used_before}")
+        assert tab.evaluate("document.querySelector('#chart-pool path[data-series=used]').getAttribute('d')").startswith("M")
+        assert tab.evaluate("document.querySelector('#chart-evictions path[data-series=evicted_cached]') !== null")
+        shot = tmp_path / "dashboard-firefox.png"
+        tab.screenshot(shot)
+        assert shot.stat().st_size > 10_000
+        session.close()
+    assert tab.javascript_errors() == []
 
 
 def test_with_keys_the_page_asks_for_one_and_shows_only_its_sessions(auth_server, page):

@@ -40,6 +40,7 @@ def test_save_dedups_and_round_trips(store_target):
     digest = blobs.digest(page(3))
     assert blobs.decompress(store.get_blob(digest), digest, PAGE_BYTES) == page(3)
     assert store.missing([digest, "0" * 64]) == {"0" * 64}
+    assert store.blob_sizes([digest, "0" * 64]) == {digest: len(second_blobs[digest])}  # absent: left out
     store.close()
 
 

@@ -24,6 +24,7 @@ const COLUMNS = [  // key, header, format, text-aligned
   ["idle_s", "idle", seconds],
   ["ttl_s", "TTL", seconds],
   ["last_saved_at", "saved", ago],
+  ["snapshot_bytes", "snapshot", bytes],
   ["save_failures", "save fails", num],
 ];
 
@@ -147,29 +148,33 @@ function renderCards(s) {
 
 function renderCharts(history) {
   lineChart($("chart-pool"), history, [["used", "used", "--c1"], ["cached", "cached", "--c2"], ["free", "free", "--c3"]]);
+  lineChart($("chart-evictions"), history, [["evicted_cached", "cached", "--c2"], ["evicted_idle", "idle", "--c3"],
+                                            ["evicted_paused", "paused", "--c4"], ["evicted_waiting", "waiting", "--c5"],
+                                            ["evicted_preempted", "preempted", "--c1"]]);
   lineChart($("chart-tokens"), history, [["reused", "reused", "--c3"], ["prefilled", "prefilled", "--c2"]]);
   lineChart($("chart-latency"), history, [["ttft_p50", "TTFT p50", "--c1"], ["ttft_p95", "TTFT p95", "--c4"],
                                           ["turn_p50", "turn p50", "--c3"], ["turn_p95", "turn p95", "--c2"]]);
   lineChart($("chart-decode"), history, [["decode_tps", "tok/s", "--c1"]]);
   lineChart($("chart-hits"), history, [["hit_rate", "reused / prompt", "--c3"]], 1);
   lineChart($("chart-snapshots"), history, [["saves", "saves", "--c1"], ["restores", "restores", "--c2"]]);
+  lineChart($("chart-snapshot-bytes"), history, [["written_bps", "written", "--c1"], ["dedup_bps", "deduplicated", "--c3"]]);
 }
 
 // One SVG line chart: a series per [field, label, colour variable]; `top` fixes the y range's top.
 // `data-last` carries the newest point's values (read by tests and handy when inspecting the page).
 function lineChart(svg, points, series, top = null) {
   const width = svg.clientWidth || 400, height = svg.clientHeight || 130;
-  const left = 42, bottom = 14, plotW = width - left - 4, plotH = height - bottom - 14;
+  const left = 42, bottom = 14, plotW = width - left - 4, plotH = height - bottom - 20;
   const values = points.flatMap((p) => series.map(([k]) => p[k]).filter((v) => v != null));
   const max = top ?? (Math.max(0, ...values) || 1) * 1.1;  // an all-zero chart still gets an axis
   const x = (i) => left + (points.length < 2 ? plotW : (i / (points.length - 1)) * plotW);
-  const y = (v) => 14 + plotH - (v / max) * plotH;
+  const y = (v) => 20 + plotH - (v / max) * plotH;
   let out = `<line class="axis" x1="${left}" y1="${y(0)}" x2="${width}" y2="${y(0)}"/>`
           + `<text x="${left - 4}" y="${y(max) + 4}" text-anchor="end">${short(max)}</text>`
           + `<text x="${left - 4}" y="${y(0)}" text-anchor="end">0</text>`;
   if (points.length > 1) out += `<text x="${left}" y="${height - 2}">${seconds(Date.now() / 1000 - points[0].t)} ago</text>`
                               + `<text x="${width - 4}" y="${height - 2}" text-anchor="end">now</text>`;
-  let legend = left;
+  let legend = "";  // one text of spans: the browser places each label after the last, whatever the font
   for (const [key, label, colour] of series) {
     const colourValue = getComputedStyle(document.documentElement).getPropertyValue(colour);
     let d = "";
@@ -178,10 +183,9 @@ function lineChart(svg, points, series, top = null) {
       d += (d && points[i - 1]?.[key] != null ? "L" : "M") + x(i).toFixed(1) + "," + y(p[key]).toFixed(1);
     });
     out += `<path d="${d}" fill="none" stroke="${colourValue}" stroke-width="1.5" data-series="${key}"/>`;
-    out += `<text x="${legend}" y="10" style="fill:${colourValue}">■ ${label}</text>`;
-    legend += 20 + label.length * 6;
+    legend += `<tspan style="fill:${colourValue}">■ ${label}</tspan> `;
   }
-  svg.innerHTML = out;
+  svg.innerHTML = out + `<text x="4" y="10" xml:space="preserve">${legend}</text>`;
   const last = points[points.length - 1] || {};
   svg.dataset.last = JSON.stringify(Object.fromEntries(series.map(([k]) => [k, last[k] ?? null])));
 }
@@ -263,10 +267,21 @@ async function renderDetail(id) {
     card("history", num(s.history) + " tok", `${num(s.resident_tokens)} resident`),
     card("pages", num(s.pages), `global ${num(s.pages_by_group.global)} · window ${num(s.pages_by_group.sliding_window)}`),
     card("resident", bytes(s.resident_bytes), `host ${bytes(s.host_bytes)} · disk ${bytes(s.disk_bytes)}`),
-    card("snapshot", ago(s.last_saved_at), `${s.unsaved ? "unsaved changes" : "up to date"} · ${num(s.save_failures)} failed`, s.save_failures > 0),
+    card("snapshot", ago(s.last_saved_at), `${bytes(s.snapshot_bytes)} · ${s.unsaved ? "unsaved changes" : "up to date"} · ${num(s.save_failures)} failed`, s.save_failures > 0),
     card("turns kept", num(s.turns.length), "most recent last"),
   ].join("");
   turnsChart($("chart-turns"), s.turns);
+  $("detail-snapshots").tBodies[0].replaceChildren(...s.snapshots.map((snapshot) => {
+    const tr = document.createElement("tr");
+    for (const [value, text] of [[snapshot.id, true], [snapshot.kind, true], [ago(snapshot.saved_at)], [num(snapshot.history)], [bytes(snapshot.bytes)]]) {
+      const td = document.createElement("td");
+      td.textContent = value;
+      if (text) td.className = "text";
+      tr.appendChild(td);
+    }
+    return tr;
+  }));
+  $("detail-no-snapshots").hidden = s.snapshots.length > 0;
 }
 
 function turnsChart(svg, turns) {
