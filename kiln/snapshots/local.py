@@ -29,12 +29,18 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from kiln.errors import FailedPreconditionError, LeaseHeldError, ResourceExhaustedError, UnavailableError
+from kiln.errors import (
+    FailedPreconditionError,
+    LeaseHeldError,
+    LeaseLostError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from kiln.snapshots.manifest import DIGEST, SNAPSHOT_ID, Manifest
 from kiln.snapshots.store import (
     GcReport,
@@ -187,13 +193,18 @@ class DirectoryStore(SnapshotStore):
             token = current.token if current is not None else self._next_token()
             return self._write_lease(Lease(name, holder, token, time.time() + ttl_s))
 
-    def renew_lease(self, lease: Lease, ttl_s: float) -> Lease:
-        check_lease_request(lease.name, lease.holder, ttl_s)
-        with _io_errors("renewing a lease"), self._lock(fcntl.LOCK_EX, "leases/lock"):
-            current = self._live_lease(lease.name)
-            if not lease.same_grant(current):
-                raise lease_lost(lease, current)
-            return self._write_lease(replace(lease, expires_at=time.time() + ttl_s))
+    def renew_leases(self, leases: Sequence[Lease], ttl_s: float) -> list[Lease | LeaseLostError]:
+        for lease in leases:
+            check_lease_request(lease.name, lease.holder, ttl_s)
+        renewed: list[Lease | LeaseLostError] = []
+        with _io_errors("renewing leases"), self._lock(fcntl.LOCK_EX, "leases/lock"):
+            for lease in leases:
+                current = self._live_lease(lease.name)
+                if lease.same_grant(current):
+                    renewed.append(self._write_lease(replace(lease, expires_at=time.time() + ttl_s)))
+                else:
+                    renewed.append(lease_lost(lease, current))
+        return renewed
 
     def release_lease(self, lease: Lease) -> bool:
         with _io_errors("releasing a lease"), self._lock(fcntl.LOCK_EX, "leases/lock"):

@@ -43,6 +43,7 @@ from kiln.snapshots.store import Lease, SnapshotStore
 logger = logging.getLogger(__name__)
 LEASE_TTL_S = 30.0  # how long a dead server's sessions stay locked (other instance ids wait this out)
 LOST_REMEMBERED = 10_000
+RENEW_BATCH = 256  # leases renewed per store call: one lock or round trip each, short enough not to stall saves
 
 
 @dataclass
@@ -150,23 +151,26 @@ class Ownership:
             self.renew_all()
 
     def renew_all(self) -> None:
-        """Renew every held lease (the renewer thread's round; no lock is held during the store calls)."""
+        """Renew every held lease, the soonest to lapse first, `RENEW_BATCH` per store call (the renewer
+        thread's round; no lock is held during the store calls)."""
         with self._lock:
-            leases = [held.lease for held in self._held.values()]
-        for lease in leases:
+            leases = sorted((held.lease for held in self._held.values()), key=lambda lease: lease.expires_at)
+        for start in range(0, len(leases), RENEW_BATCH):
+            batch = leases[start:start + RENEW_BATCH]
             try:
-                renewed = self.store.renew_lease(lease, self.ttl_s)
-            except LeaseLostError as error:
-                logger.error("session %s is no longer this server's: %s", lease.name, error)
-                self.mark_lost(lease.name)
-                continue
+                results = self.store.renew_leases(batch, self.ttl_s)
             except KilnError as error:
-                logger.warning("renewing the lease of session %s failed (retried): %s", lease.name, error)
+                logger.warning("renewing %d session leases failed (retried): %s", len(batch), error)
                 continue
-            with self._lock:
-                held = self._held.get(lease.name)
-                if held is not None and held.lease.token == renewed.token:
-                    held.lease = renewed
+            for lease, renewed in zip(batch, results, strict=True):
+                if isinstance(renewed, LeaseLostError):
+                    logger.error("session %s is no longer this server's: %s", lease.name, renewed)
+                    self.mark_lost(lease.name)
+                    continue
+                with self._lock:
+                    held = self._held.get(lease.name)
+                    if held is not None and held.lease.token == renewed.token:
+                        held.lease = renewed
 
     def _remember_lost(self, session_id: str) -> None:
         self._lost[session_id] = None

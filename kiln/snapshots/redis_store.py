@@ -28,11 +28,17 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import redis
 
-from kiln.errors import FailedPreconditionError, LeaseHeldError, ResourceExhaustedError, UnavailableError
+from kiln.errors import (
+    FailedPreconditionError,
+    LeaseHeldError,
+    LeaseLostError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from kiln.snapshots.manifest import Manifest
 from kiln.snapshots.store import (
     GcReport,
@@ -207,15 +213,18 @@ class RedisStore(SnapshotStore):
             raise LeaseHeldError(f"{name} is leased to {other} for another {left_s:.1f} s", other, start + left_s)
         return Lease(name, holder, int(reply[1]), start + ttl_s)
 
-    def renew_lease(self, lease: Lease, ttl_s: float) -> Lease:
-        check_lease_request(lease.name, lease.holder, ttl_s)
+    def renew_leases(self, leases: Sequence[Lease], ttl_s: float) -> list[Lease | LeaseLostError]:
+        for lease in leases:
+            check_lease_request(lease.name, lease.holder, ttl_s)
         start = time.time()
-        with _redis_errors("renewing a lease"):
-            args = [lease.holder, lease.token, _ms(ttl_s)]
-            renewed = self._scripts["renew"](keys=[_lease_key(lease.name)], args=args)
-            if not renewed:
-                raise lease_lost(lease, self.lease_of(lease.name))
-        return Lease(lease.name, lease.holder, lease.token, start + ttl_s)
+        with _redis_errors("renewing leases"):
+            pipe = self.client.pipeline(transaction=False)
+            for lease in leases:
+                self._scripts["renew"](keys=[_lease_key(lease.name)], args=[lease.holder, lease.token, _ms(ttl_s)],
+                                       client=pipe)
+            replies = pipe.execute()
+            return [Lease(lease.name, lease.holder, lease.token, start + ttl_s) if renewed
+                    else lease_lost(lease, self.lease_of(lease.name)) for lease, renewed in zip(leases, replies, strict=True)]
 
     def release_lease(self, lease: Lease) -> bool:
         with _redis_errors("releasing a lease"):

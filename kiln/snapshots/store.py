@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,10 +137,20 @@ class SnapshotStore(ABC):
         """Grant `name` to `holder` for `ttl_s` seconds with a new fencing token, or renew `holder`'s own
         live lease (same token). LeaseHeldError (with the holder and expiry) while another's is live."""
 
-    @abstractmethod
     def renew_lease(self, lease: Lease, ttl_s: float) -> Lease:
         """Extend a live lease to `ttl_s` seconds from now. LeaseLostError if it lapsed or is no longer
         this holder's with this token."""
+        (renewed,) = self.renew_leases([lease], ttl_s)
+        if isinstance(renewed, LeaseLostError):
+            raise renewed
+        return renewed
+
+    @abstractmethod
+    def renew_leases(self, leases: Sequence[Lease], ttl_s: float) -> list[Lease | LeaseLostError]:
+        """Extend many leases at once, in one lock or one round trip (a server renews thousands of sessions'
+        leases every few seconds: one call each fell behind their TTL under load). For each lease, in order,
+        the renewed lease or the LeaseLostError saying it lapsed or is another's; a failure of the store
+        itself raises for the whole batch."""
 
     @abstractmethod
     def release_lease(self, lease: Lease) -> bool:

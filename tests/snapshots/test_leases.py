@@ -44,6 +44,27 @@ def test_acquire_renew_release(store_target):
     store.close()
 
 
+def test_many_leases_renew_in_one_call_each_with_its_own_outcome(store_target):
+    store = open_store(store_target)
+    mine = [store.acquire_lease(f"s{i}", "server-a", TTL_S) for i in range(5)]
+    short = store.acquire_lease("lapsing", "server-a", SHORT_TTL_S)
+    lapse(store, short)
+    taken = store.acquire_lease("taken", "server-a", SHORT_TTL_S)
+    lapse(store, taken)
+    theirs = store.acquire_lease("taken", "server-b", TTL_S)
+    results = store.renew_leases([mine[0], short, *mine[1:], taken], 3 * TTL_S)
+    assert [type(result) for result in results] == [Lease, LeaseLostError, *[Lease] * 4, LeaseLostError]
+    assert "no live lease" in str(results[1]) and "server-b" in str(results[-1])
+    for before, after in zip(mine, [results[0], *results[2:6]], strict=True):
+        assert after.same_grant(before) and after.expires_at > time.time() + 2.5 * TTL_S
+        assert store.lease_of(before.name).expires_at > time.time() + 2.5 * TTL_S  # the store's own view
+    assert store.lease_of("lapsing") is None and store.lease_of("taken").same_grant(theirs)
+    assert store.renew_leases([], TTL_S) == []
+    with pytest.raises(InvalidArgumentError):
+        store.renew_leases([mine[0]], -1.0)
+    store.close()
+
+
 def test_a_second_holder_is_refused_while_live_and_granted_after_lapse(store_target):
     store = open_store(store_target)
     first = store.acquire_lease("s1", "server-a", SHORT_TTL_S)
