@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: run chat fleet test test-ts peer-test fault fuzz soak bench lint setup model proto redis chromium firefox clean
+.PHONY: run chat fleet test test-ts ts-sdk peer-test fault fuzz soak bench lint setup model proto redis chromium firefox clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -43,7 +43,7 @@ firefox:  ## the dashboard test's second browser, driven over WebDriver BiDi (De
 		{ test "$$(id -u)" = 0 && apt-get update -qq && apt-get install -y -qq firefox-esr; } || \
 		echo "firefox-esr is missing and cannot be installed here: the dashboard's Firefox test will skip"
 
-test: model redis chromium firefox
+test: model redis chromium firefox ts-sdk
 	$(BIN)/ruff check kiln tests bench peer
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-ts
@@ -58,8 +58,11 @@ soak: model  ## 16 agents for 30 minutes against a restarted `kiln serve` -> ben
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,bench]'
 	$(BIN)/python bench/soak.py --minutes $${SOAK_MINUTES:-30}
 
-test-ts: setup  ## the TypeScript SDK: node_modules from its lockfile, then its tests against a tiny `kiln serve`
-	cd sdk/typescript && npm ci --no-audit --no-fund && npm test
+ts-sdk: setup  ## the TypeScript SDK built (node_modules from its lockfile): its tests and the fleet's test use it
+	cd sdk/typescript && npm ci --no-audit --no-fund
+
+test-ts: ts-sdk  ## the TypeScript SDK's tests against a tiny `kiln serve`
+	cd sdk/typescript && npm test
 
 peer-test: model  ## LangChain's standard chat-model suite (ChatOpenAI) against a `kiln serve` it starts
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,peer]'
