@@ -42,7 +42,7 @@ def percentiles(values: list[float]) -> dict[str, Any]:
 
 
 def directory_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in (root / "blobs").glob("*/*.zst"))
+    return sum(p.stat().st_size for p in (root / "packs").glob("*.pack"))
 
 
 def checkpoint(llm: LLM, persistence: Persistence, session_id: str) -> str:

@@ -1,7 +1,13 @@
-"""Page blobs: a page's raw bytes, named by their SHA-256 and stored zstd-compressed.
+"""Page blobs: a page's raw bytes, named by their SHA-256 and stored either raw or zstd-compressed.
 
-The digest is taken over the raw bytes, so a blob is verified after decompression: whatever a store or a
-disk did to it, a page either comes back with exactly the bytes that were captured or not at all.
+A blob says how it is stored by its first four bytes (a zstd frame's magic number, or RAW_MAGIC), so a
+page stored once serves every later snapshot whatever codec those chose. The digest is taken over the raw
+bytes, so a blob is verified after decoding: whatever a store or a disk did to it, a page either comes
+back with exactly the bytes that were captured or not at all.
+
+Which codec pays is decided per KV encoding (`choose_codec`): float16 and float32 K/V keep ~92 % of their
+bytes under zstd (mantissas are noise) while compressing costs more than writing the rest, so such pages
+are stored raw; a codec that shrinks pages by a fifth or more is kept (bench/README.md § snapshot.py).
 """
 
 from __future__ import annotations
@@ -13,9 +19,15 @@ import zstandard
 
 from kiln.errors import FailedPreconditionError
 
-# zstd level 1: float K/V compresses little at any level (mantissas are noise), so the cheapest level
-# that compresses at all; higher levels and byte-plane shuffling gain nothing (bench/README.md § snapshot.py).
+CODEC_ZSTD = "zstd"
+CODEC_RAW = "raw"
+CODECS = (CODEC_ZSTD, CODEC_RAW)
+RAW_MAGIC = b"KRAW"  # a raw blob: these four bytes, then the page
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # every zstd frame starts with it
+# zstd level 1: float K/V compresses little at any level, so the cheapest level that compresses at all.
 LEVEL = 1
+WORTH_COMPRESSING = 0.8  # compressed over raw bytes below which zstd is used
+SAMPLE_PAGES = 4  # pages compressed to decide (spread over the save's new pages)
 _local = threading.local()  # zstd contexts are not thread-safe; one pair per thread
 
 
@@ -27,13 +39,31 @@ def compress(raw: bytes | memoryview) -> bytes:
     return _contexts()[0].compress(raw)
 
 
-def decompress(blob: bytes, expected_digest: str, size: int) -> bytes:
+def encode(raw: bytes | memoryview, codec: str) -> bytes:
+    """A page as a blob in `codec` (CODEC_RAW or CODEC_ZSTD)."""
+    return compress(raw) if codec == CODEC_ZSTD else b"".join((RAW_MAGIC, raw))
+
+
+def choose_codec(sample: list[bytes | memoryview]) -> str:
+    """CODEC_ZSTD if it shrinks the sample pages below WORTH_COMPRESSING of their bytes, else CODEC_RAW."""
+    raw = sum(len(page) for page in sample)
+    packed = sum(len(compress(page)) for page in sample)
+    return CODEC_ZSTD if raw and packed < WORTH_COMPRESSING * raw else CODEC_RAW
+
+
+def decode(blob: bytes | memoryview, expected_digest: str, size: int) -> bytes | memoryview:
     """The raw page of a blob, checked: exactly `size` bytes whose SHA-256 is `expected_digest`.
     FailedPreconditionError for a truncated, corrupt or mismatched blob."""
-    try:
-        raw = _contexts()[1].decompress(blob, max_output_size=size)
-    except zstandard.ZstdError as error:
-        raise FailedPreconditionError(f"page blob {expected_digest[:16]} is corrupt ({error})") from None
+    head = bytes(blob[:4])
+    if head == RAW_MAGIC:
+        raw: bytes | memoryview = memoryview(blob)[4:]
+    elif head == ZSTD_MAGIC:
+        try:
+            raw = _contexts()[1].decompress(blob, max_output_size=size)
+        except zstandard.ZstdError as error:
+            raise FailedPreconditionError(f"page blob {expected_digest[:16]} is corrupt ({error})") from None
+    else:
+        raise FailedPreconditionError(f"page blob {expected_digest[:16]} is corrupt (no codec header)")
     if len(raw) != size:
         raise FailedPreconditionError(f"page blob {expected_digest[:16]} holds {len(raw)} bytes, a page has {size}")
     if digest(raw) != expected_digest:

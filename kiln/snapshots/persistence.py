@@ -26,7 +26,8 @@ the store lacks it, so a turn writes its new full pages, its partial last page a
 session's capture does not even copy the full pages it saved before (`known`): their digests ride along.
 If the store lost such a blob (gc, a hand-deleted file), the capture cannot rewrite it: the saver forgets
 those pages and asks for a fresh capture (`stale_sessions`); a complete capture is retried once at once.
-Hashing and compression run on a small thread pool, outside every lock.
+Hashing and encoding run on a small thread pool, outside every lock. Pages are stored raw unless
+compressing this engine's KV encoding pays (blobs.choose_codec; decided once, recorded in each manifest).
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ class SnapshotStats:
     save_failures: Counter[str] = field(default_factory=Counter)  # by error code
     restores: Counter[str] = field(default_factory=Counter)  # by source: checkpoint | session
     verification_failures: int = 0
-    bytes_written: int = 0  # compressed blobs and manifests
+    bytes_written: int = 0  # stored blobs and manifests
     dedup_bytes: int = 0  # raw page bytes not written because the store already held them
     blobs_written: int = 0
 
@@ -192,6 +193,7 @@ class Persistence:
         self.backoff = backoff or Backoff()
         self.close_timeout_s = close_timeout_s  # how long `close` keeps retrying saves that fail
         self.stats = SnapshotStats()
+        self._chosen_codec: str | None = None  # how new pages are stored (`_codec`), once a save chose it
         self._observers: list[Observer] = []
         self._memo: dict[str, dict[PageKey, tuple[int, str]]] = {}  # session -> full page -> (pool page, digest)
         # bumped whenever a session leaves memory or its memo is forgotten: a capture's digests are
@@ -605,7 +607,8 @@ class Persistence:
             raise MissingPagesError(f"session {capture.session_id}: {len(lost)} page blob(s) saved before are gone "
                                     "from the store; the session is captured again")
         fresh = {digest: key for key, digest in digests.items() if digest in missing}
-        compressed = dict(zip(fresh, self._map(lambda d: blobs.compress(_buffer(image.blocks[fresh[d]])), list(fresh)), strict=True))
+        codec = self._codec([_buffer(image.blocks[key]) for key in fresh.values()])
+        encoded = dict(zip(fresh, self._map(lambda d: blobs.encode(_buffer(image.blocks[fresh[d]]), codec), list(fresh)), strict=True))
         layout = self.engine.kv_layout
         groups = tuple(
             GroupPages(group.layers, group.window, tuple(None if page is None else digests[(g, i)] for i, page in enumerate(image.pages[g])))
@@ -615,9 +618,17 @@ class Persistence:
             snapshot_id=snapshot_id, kind=kind, owner=owner_digest(capture.owner), session_id=capture.session_id,
             created_at=time.time(), ttl_s=capture.ttl_s, policy=image.policy.key.decode(), shape=engine_shape(self.engine),
             token_ids=tuple(image.tokens), num_computed=image.num_computed, groups=groups,
-            session_created_at=capture.created_at,
+            session_created_at=capture.created_at, codec=codec,
         )
-        return self.store.save(manifest, compressed, fence=fence), digests
+        return self.store.save(manifest, encoded, fence=fence), digests
+
+    def _codec(self, pages: list[memoryview]) -> str:
+        """How new pages are stored: decided once, on the first pages this engine's KV encoding offers
+        (a sample spread over them), and kept (blobs.choose_codec)."""
+        if self._chosen_codec is None and pages:
+            step = max(1, len(pages) // blobs.SAMPLE_PAGES)
+            self._chosen_codec = blobs.choose_codec(pages[::step][: blobs.SAMPLE_PAGES])
+        return self._chosen_codec or blobs.CODEC_RAW
 
     def _map(self, fn: Callable[[T], R], items: list[T]) -> list[R]:
         """fn over items on the encoding threads, in about one batch per thread (a future per page would

@@ -1,6 +1,6 @@
 """RedisStore: snapshots in Redis, shared by every server pointed at it (one machine or many).
 
-    kiln:blob:<digest>        compressed page blob (SET NX: written once, whoever writes it first)
+    kiln:blob:<digest>        page blob, raw or compressed (blobs.py; SET NX: written once, whoever writes it first)
     kiln:blobs                set of stored blob digests (what gc walks)
     kiln:manifest:<id>        manifest JSON
     kiln:manifests            set of manifest ids
@@ -116,6 +116,15 @@ class RedisStore(SnapshotStore):
     def get_blob(self, digest: str) -> bytes | None:
         with _redis_errors("reading a snapshot blob"):
             return self.client.get(PREFIX + "blob:" + digest)
+
+    def get_blobs(self, digests: Iterable[str]) -> dict[str, bytes]:
+        """One MGET: a restore's pages in one round trip."""
+        wanted = sorted(set(digests))
+        if not wanted:
+            return {}
+        with _redis_errors("reading snapshot blobs"):
+            found = self.client.mget([PREFIX + "blob:" + digest for digest in wanted])
+        return {digest: blob for digest, blob in zip(wanted, found, strict=True) if blob is not None}
 
     def manifest_bytes(self, snapshot_id: str) -> bytes | None:
         with _redis_errors("reading a snapshot manifest"):

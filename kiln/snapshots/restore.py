@@ -4,7 +4,7 @@ Checked, each a typed error naming what differs: format version and codec (the m
 KV format fingerprint and every shape field (another model, weight format, KV dtype, page size or
 layout is FailedPreconditionError), the KV groups, the policy, token ids against this vocabulary and
 context (InvalidArgumentError), page counts against the computed tokens, every page the next step
-reads being present, and each blob's size and SHA-256 after decompression.
+reads being present, and each blob's size and SHA-256 after decoding.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kiln.errors import FailedPreconditionError, InvalidArgumentError
 from kiln.kv.image import KVImage
 from kiln.kv.policy import KVPolicy
 from kiln.snapshots import blobs
-from kiln.snapshots.manifest import CODEC, KVShape, Manifest
+from kiln.snapshots.manifest import KVShape, Manifest
 from kiln.snapshots.store import SnapshotStore
 
 
@@ -39,8 +39,6 @@ def engine_groups(engine: Engine) -> list[tuple[tuple[int, ...], int | None]]:
 def check_compatible(manifest: Manifest, engine: Engine) -> KVPolicy:
     """Everything short of reading blobs; returns the snapshot's policy."""
     where = manifest.snapshot_id
-    if manifest.codec != CODEC:
-        raise FailedPreconditionError(f"snapshot {where} uses codec {manifest.codec!r}; this Kiln reads {CODEC!r}")
     mine = asdict(engine_shape(engine))
     theirs = asdict(manifest.shape)
     differences = [f"{key} {theirs[key]!r} (this server: {mine[key]!r})" for key in mine if theirs[key] != mine[key]]
@@ -88,12 +86,14 @@ def fetch(manifest: Manifest, engine: Engine, store: SnapshotStore) -> KVImage:
     """The verified image of a manifest: raises before anything is loaded if any check fails."""
     policy = check_compatible(manifest, engine)
     shape = manifest.shape
+    digests = manifest.digests()
+    stored = store.get_blobs(digests)
+    lost = digests - stored.keys()
+    if lost:
+        raise FailedPreconditionError(f"snapshot {manifest.snapshot_id}: page blob {min(lost)[:16]} is missing")
     pages: dict[str, torch.Tensor] = {}
-    for digest in sorted(manifest.digests()):
-        blob = store.get_blob(digest)
-        if blob is None:
-            raise FailedPreconditionError(f"snapshot {manifest.snapshot_id}: page blob {digest[:16]} is missing")
-        raw = blobs.decompress(blob, digest, shape.page_bytes)
+    for digest, blob in stored.items():
+        raw = blobs.decode(blob, digest, shape.page_bytes)
         pages[digest] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     return KVImage(
         list(manifest.token_ids), manifest.num_computed, policy,

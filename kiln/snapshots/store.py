@@ -37,7 +37,7 @@ from kiln.snapshots.manifest import SNAPSHOT_ID, Manifest
 @dataclass(frozen=True)
 class SaveReport:
     blobs_written: int
-    bytes_written: int  # compressed bytes of new blobs plus the manifest
+    bytes_written: int  # stored bytes of new blobs plus the manifest
     blobs_deduplicated: int  # referenced blobs that were already stored
 
 
@@ -98,7 +98,7 @@ class SnapshotStore(ABC):
 
     @abstractmethod
     def save(self, manifest: Manifest, blobs: dict[str, bytes], fence: Lease | None = None) -> SaveReport:
-        """Store the compressed `blobs` (digest -> bytes) that are absent, then the manifest, atomically
+        """Store the `blobs` (digest -> blobs.encode bytes) that are absent, then the manifest, atomically
         replacing any manifest of the same id. Every digest the manifest references must be stored
         afterwards (in `blobs` or already present): FailedPreconditionError otherwise, manifest unwritten.
         With `fence`, the manifest is written only if `fence` is still the live lease of its name
@@ -106,7 +106,12 @@ class SnapshotStore(ABC):
 
     @abstractmethod
     def get_blob(self, digest: str) -> bytes | None:
-        """The compressed blob, or None if it is not stored."""
+        """The stored blob (blobs.decode reads it), or None if it is not stored."""
+
+    def get_blobs(self, digests: Iterable[str]) -> dict[str, bytes]:
+        """The stored blobs among `digests` (absent ones left out); a backend reads them in bulk."""
+        found = {digest: self.get_blob(digest) for digest in set(digests)}
+        return {digest: blob for digest, blob in found.items() if blob is not None}
 
     @abstractmethod
     def manifest_bytes(self, snapshot_id: str) -> bytes | None:

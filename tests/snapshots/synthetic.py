@@ -3,7 +3,9 @@ Imports only kiln.snapshots, so a writer subprocess starts in a fraction of a se
 
 from __future__ import annotations
 
-from kiln.snapshots import blobs
+from pathlib import Path
+
+from kiln.snapshots import blobs, packs
 from kiln.snapshots.manifest import GroupPages, KVShape, Manifest
 
 PAGE_BYTES = 256
@@ -25,3 +27,30 @@ def synthetic(snapshot_id: str, pages: list[bytes], owner: str = "sha256:0") -> 
 
 def page(seed: int) -> bytes:
     return bytes((seed * 31 + i) % 251 for i in range(PAGE_BYTES))
+
+
+def stored_digests(root: Path) -> list[str]:
+    """Every blob a directory store holds, by digest (a digest twice if two packs hold it)."""
+    return [digest for path in sorted((root / "packs").glob("*.pack")) for digest in _pack_index(path)]
+
+
+def blob_place(root: Path, digest: str) -> tuple[Path, packs.Entry]:
+    """The pack of a directory store that holds a blob, and where in it."""
+    for path in sorted((root / "packs").glob("*.pack")):
+        index = _pack_index(path)
+        if digest in index:
+            return path, index[digest]
+    raise AssertionError(f"no pack in {root} holds {digest}")
+
+
+def flip_blob_byte(root: Path, digest: str) -> None:
+    """Corrupt one byte in the middle of a stored blob (its pack's index stays intact)."""
+    path, entry = blob_place(root, digest)
+    data = bytearray(path.read_bytes())
+    data[entry.offset + entry.length // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _pack_index(path: Path) -> dict[str, packs.Entry]:
+    with open(path, "rb") as file:
+        return packs.read_index(file, path.stat().st_size, path.name)
