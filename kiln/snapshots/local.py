@@ -17,7 +17,8 @@ with every blob it names. Packs are immutable; each process keeps an index of di
 refreshed from packs/ under the lock (other processes add packs, gc removes them).
 
 gc keeps a pack while any manifest names any page in it, and rewrites a pack whose live blobs are under
-half its bytes into a new one before deleting it (both are complete at every instant).
+half its blob bytes into a new one (durable) before deleting it: every live blob is in a complete pack at
+every instant.
 
 Leases lapse by the wall clock, which every process on the machine shares. A fenced write checks the
 lease and renames its manifest into place under the lease lock (shared), and every grant takes it
@@ -230,10 +231,11 @@ class DirectoryStore(SnapshotStore):
                 if index is None:  # unreadable: which blobs it holds is unknown, so it stays
                     continue
                 live = {d: entry for d, entry in index.items() if d in referenced}
-                size = self._pack_path(name).stat().st_size
-                if sum(entry.length for entry in live.values()) * 2 >= size:
-                    kept += len(live)  # its dead blobs stay until they are half the pack
+                live_bytes = sum(entry.length for entry in live.values())
+                if live and live_bytes * 2 >= sum(entry.length for entry in index.values()):
+                    kept += len(live)  # its dead blobs stay until they are half its blob bytes
                     continue
+                size = self._pack_path(name).stat().st_size
                 if live:
                     with open(self._pack_path(name), "rb") as file:
                         self._write_pack(sorted(packs.read_blobs(file, live).items()))
