@@ -11,8 +11,9 @@
     ROOT/leases/lock               flock: lease changes hold it exclusive, fenced writes and reads shared
 
 Crash safety: every file is written to tmp/, then renamed into place (rename is atomic). A save writes
-the blobs the store lacks into one pack (fsync, rename, fsync of packs/), then the manifest (fsync,
-rename, fsync of manifests/). Killed at any point, the store holds the previous manifest or the new one
+the blobs the store lacks into one pack and renames it into packs/, writes the manifest to tmp/, makes
+all of it durable with one syncfs of the filesystem (where there is none: fsync of each file and of
+packs/), and only then renames the manifest into place (and fsyncs manifests/). Killed at any point, the store holds the previous manifest or the new one
 with every blob it names. Packs are immutable; each process keeps an index of digest -> (pack, offset),
 refreshed from packs/ under the lock (other processes add packs, gc removes them).
 
@@ -29,6 +30,7 @@ before a grant is returned; lease files need not be (a crash of the machine ends
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import json
@@ -52,6 +54,11 @@ from kiln.snapshots.store import (
     check_lease_request,
     lease_lost,
 )
+
+try:
+    _syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+except (OSError, AttributeError):  # not Linux: fsync each file and directory instead
+    _syncfs = None
 
 
 class DirectoryStore(SnapshotStore):
@@ -186,6 +193,9 @@ class DirectoryStore(SnapshotStore):
     # ---- save and gc ------------------------------------------------------------------------------
 
     def save(self, manifest: Manifest, blobs: dict[str, bytes], fence: Lease | None = None) -> SaveReport:
+        """One flush per save (syncfs): the pack, its name in packs/ and the manifest's bytes; then the
+        manifest's rename and the fsync of manifests/. A pack is visible before that flush, so a save
+        beside this one may count on its blobs: that save's own flush makes them durable too."""
         with _io_errors("saving a snapshot"), self._lock(fcntl.LOCK_SH):
             needed = manifest.digests()
             with self._lock(fcntl.LOCK_EX, "packs/lock"):  # set-if-absent: concurrent saves pack a blob once
@@ -193,28 +203,37 @@ class DirectoryStore(SnapshotStore):
                 unknown = absent - blobs.keys()
                 if unknown:
                     raise FailedPreconditionError(f"page blob {min(unknown)[:16]} is neither stored nor part of this save")
-                written = self._write_pack([(d, blobs[d]) for d in sorted(absent)]) if absent else 0
+                written = self._write_pack([(d, blobs[d]) for d in sorted(absent)], durable=_syncfs is None) if absent else 0
             data = manifest.to_json()
-            with self._fenced(fence):
-                self._write_file(self._manifest_path(manifest.snapshot_id), data, sync=True)
-                _fsync_dir(self.root / "manifests")
+            staged = self._stage(data, sync=_syncfs is None)
+            try:
+                if _syncfs is not None:
+                    self._syncfs()
+                with self._fenced(fence):
+                    os.replace(staged, self._manifest_path(manifest.snapshot_id))
+                    _fsync_dir(self.root / "manifests")
+            finally:
+                staged.unlink(missing_ok=True)
             return SaveReport(len(absent), written + len(data), len(needed) - len(absent))
 
-    def _write_pack(self, entries: list[tuple[str, bytes]]) -> int:
-        """One new pack of `entries`, durable (fsync of the file, then of packs/) before it is indexed;
-        returns its size. Two saves may pack the same blob: the index serves either copy."""
+    def _write_pack(self, entries: list[tuple[str, bytes]], durable: bool) -> int:
+        """One new pack of `entries`, renamed into packs/ complete and then indexed; `durable`: fsync of
+        the file and of packs/ first (else the caller flushes). Returns its size. Two saves may pack the
+        same blob: the index serves either copy."""
         name = secrets.token_hex(12) + packs.SUFFIX
         tmp = self.root / "tmp" / name
         try:
             with open(tmp, "wb") as file:
                 index = packs.write_pack(file, entries)
                 file.flush()
-                os.fsync(file.fileno())
+                if durable:
+                    os.fsync(file.fileno())
                 size = file.tell()
             os.rename(tmp, self._pack_path(name))
         finally:
             tmp.unlink(missing_ok=True)
-        _fsync_dir(self.root / "packs")
+        if durable:
+            _fsync_dir(self.root / "packs")
         with self._index_lock:
             self._add_pack(name, index)
         return size
@@ -238,7 +257,7 @@ class DirectoryStore(SnapshotStore):
                 size = self._pack_path(name).stat().st_size
                 if live:
                     with open(self._pack_path(name), "rb") as file:
-                        self._write_pack(sorted(packs.read_blobs(file, live).items()))
+                        self._write_pack(sorted(packs.read_blobs(file, live).items()), durable=True)
                     kept += len(live)
                 self._pack_path(name).unlink()
                 freed += size
@@ -350,17 +369,36 @@ class DirectoryStore(SnapshotStore):
         """Write via tmp/ and rename (replacing what is there); fsync first if `sync`. No partial file is
         ever at `path`. `beside` writes PATH.tmp instead, for lease files: they change under the
         exclusive lease lock, which gc (emptying tmp/) does not take, and that lock makes one name enough."""
-        tmp = path.with_name(f"{path.name}.tmp") if beside else self.root / "tmp" / f"{path.name}.{secrets.token_hex(6)}"
+        staged = self._stage(data, sync, path.with_name(f"{path.name}.tmp") if beside else None)
+        try:
+            os.replace(staged, path)
+        finally:
+            staged.unlink(missing_ok=True)
+        return path
+
+    def _stage(self, data: bytes, sync: bool, tmp: Path | None = None) -> Path:
+        """`data` in a new file (under tmp/ unless `tmp` names one), fsynced if `sync`, to be renamed into
+        place; nothing is left behind if writing fails."""
+        tmp = tmp or self.root / "tmp" / f"{secrets.token_hex(8)}.json"
         try:
             with open(tmp, "wb") as file:
                 file.write(data)
                 if sync:
                     file.flush()
                     os.fsync(file.fileno())
-            os.replace(tmp, path)
-        finally:
+        except BaseException:
             tmp.unlink(missing_ok=True)
-        return path
+            raise
+        return tmp
+
+    def _syncfs(self) -> None:
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            if _syncfs(fd) != 0:
+                code = ctypes.get_errno()
+                raise OSError(code, os.strerror(code))
+        finally:
+            os.close(fd)
 
     @contextlib.contextmanager
     def _lock(self, mode: int, name: str = "lock") -> Iterator[None]:

@@ -324,7 +324,7 @@ def test_a_full_disk_fails_the_save_not_the_session(tiny_llm, tmp_path, monkeypa
     earlier = session.snapshot()
     history = session.tokens
 
-    def full(*args: object) -> None:
+    def full(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(DirectoryStore, "_write_pack", full)

@@ -93,7 +93,7 @@ def test_a_full_disk_is_resource_exhausted_and_keeps_the_previous_snapshot(tmp_p
     def full(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(DirectoryStore, "_write_file", full)
+    monkeypatch.setattr(DirectoryStore, "_stage", full)  # the manifest cannot be written
     with pytest.raises(ResourceExhaustedError, match="full"):
         store.save(newer, newer_blobs)
     monkeypatch.undo()
