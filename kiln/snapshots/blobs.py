@@ -1,9 +1,11 @@
-"""Page blobs: a page's raw bytes, named by their SHA-256 and stored either raw or zstd-compressed.
+"""Page blobs: a page's raw bytes, named by their SHA-256 and stored either as they are or as a zstd
+frame.
 
-A blob says how it is stored by its first four bytes (a zstd frame's magic number, or RAW_MAGIC), so a
-page stored once serves every later snapshot whatever codec those chose. The digest is taken over the raw
-bytes, so a blob is verified after decoding: whatever a store or a disk did to it, a page either comes
-back with exactly the bytes that were captured or not at all.
+A blob is the page itself exactly when it is a page's size and hashes to its digest (a zstd frame that
+did would be a SHA-256 collision); anything else is decoded as zstd. So a page stored once serves every
+later snapshot whatever codec those chose, and a raw page is written straight from the captured buffer.
+The digest is taken over the raw bytes, so a blob is verified after decoding: whatever a store or a disk
+did to it, a page either comes back with exactly the bytes that were captured or not at all.
 
 Which codec pays is decided per KV encoding (`choose_codec`): float16 and float32 K/V keep ~92 % of their
 bytes under zstd (mantissas are noise) while compressing costs more than writing the rest, so such pages
@@ -19,11 +21,10 @@ import zstandard
 
 from kiln.errors import FailedPreconditionError
 
+Blob = bytes | memoryview  # what a store is given to write: a zstd frame, or a raw page's buffer
 CODEC_ZSTD = "zstd"
 CODEC_RAW = "raw"
 CODECS = (CODEC_ZSTD, CODEC_RAW)
-RAW_MAGIC = b"KRAW"  # a raw blob: these four bytes, then the page
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # every zstd frame starts with it
 # zstd level 1: float K/V compresses little at any level, so the cheapest level that compresses at all.
 LEVEL = 1
 WORTH_COMPRESSING = 0.8  # compressed over raw bytes below which zstd is used
@@ -39,9 +40,9 @@ def compress(raw: bytes | memoryview) -> bytes:
     return _contexts()[0].compress(raw)
 
 
-def encode(raw: bytes | memoryview, codec: str) -> bytes:
-    """A page as a blob in `codec` (CODEC_RAW or CODEC_ZSTD)."""
-    return compress(raw) if codec == CODEC_ZSTD else b"".join((RAW_MAGIC, raw))
+def encode(raw: bytes | memoryview, codec: str) -> Blob:
+    """A page as a blob in `codec` (CODEC_RAW: the page itself, not copied; CODEC_ZSTD)."""
+    return compress(raw) if codec == CODEC_ZSTD else raw
 
 
 def choose_codec(sample: list[bytes | memoryview]) -> str:
@@ -54,16 +55,12 @@ def choose_codec(sample: list[bytes | memoryview]) -> str:
 def decode(blob: bytes | memoryview, expected_digest: str, size: int) -> bytes | memoryview:
     """The raw page of a blob, checked: exactly `size` bytes whose SHA-256 is `expected_digest`.
     FailedPreconditionError for a truncated, corrupt or mismatched blob."""
-    head = bytes(blob[:4])
-    if head == RAW_MAGIC:
-        raw: bytes | memoryview = memoryview(blob)[4:]
-    elif head == ZSTD_MAGIC:
-        try:
-            raw = _contexts()[1].decompress(blob, max_output_size=size)
-        except zstandard.ZstdError as error:
-            raise FailedPreconditionError(f"page blob {expected_digest[:16]} is corrupt ({error})") from None
-    else:
-        raise FailedPreconditionError(f"page blob {expected_digest[:16]} is corrupt (no codec header)")
+    if len(blob) == size and digest(blob) == expected_digest:
+        return blob
+    try:
+        raw = _contexts()[1].decompress(blob, max_output_size=size)
+    except zstandard.ZstdError as error:
+        raise FailedPreconditionError(f"page blob {expected_digest[:16]} is corrupt ({error})") from None
     if len(raw) != size:
         raise FailedPreconditionError(f"page blob {expected_digest[:16]} holds {len(raw)} bytes, a page has {size}")
     if digest(raw) != expected_digest:

@@ -44,6 +44,7 @@ from pathlib import Path
 
 from kiln.errors import FailedPreconditionError, LeaseHeldError, ResourceExhaustedError, UnavailableError
 from kiln.snapshots import packs
+from kiln.snapshots.blobs import Blob
 from kiln.snapshots.manifest import DIGEST, SNAPSHOT_ID, Manifest
 from kiln.snapshots.store import (
     GcReport,
@@ -192,7 +193,7 @@ class DirectoryStore(SnapshotStore):
 
     # ---- save and gc ------------------------------------------------------------------------------
 
-    def save(self, manifest: Manifest, blobs: dict[str, bytes], fence: Lease | None = None) -> SaveReport:
+    def save(self, manifest: Manifest, blobs: dict[str, Blob], fence: Lease | None = None) -> SaveReport:
         """One flush per save (syncfs): the pack, its name in packs/ and the manifest's bytes; then the
         manifest's rename and the fsync of manifests/. A pack is visible before that flush, so a save
         beside this one may count on its blobs: that save's own flush makes them durable too."""
@@ -216,7 +217,7 @@ class DirectoryStore(SnapshotStore):
                 staged.unlink(missing_ok=True)
             return SaveReport(len(absent), written + len(data), len(needed) - len(absent))
 
-    def _write_pack(self, entries: list[tuple[str, bytes]], durable: bool) -> int:
+    def _write_pack(self, entries: list[tuple[str, Blob]], durable: bool) -> int:
         """One new pack of `entries`, renamed into packs/ complete and then indexed; `durable`: fsync of
         the file and of packs/ first (else the caller flushes). Returns its size. Two saves may pack the
         same blob: the index serves either copy."""

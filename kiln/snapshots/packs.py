@@ -33,7 +33,7 @@ class Entry:
     length: int
 
 
-def write_pack(file: BinaryIO, blobs: Iterable[tuple[str, bytes]]) -> dict[str, Entry]:
+def write_pack(file: BinaryIO, blobs: Iterable[tuple[str, bytes | memoryview]]) -> dict[str, Entry]:
     """Write blobs (digest, blob) and their index to `file`; returns the index. Bytes written:
     sum of the blob lengths + ENTRY.size per blob + TRAILER.size."""
     index: dict[str, Entry] = {}

@@ -607,8 +607,9 @@ class Persistence:
             raise MissingPagesError(f"session {capture.session_id}: {len(lost)} page blob(s) saved before are gone "
                                     "from the store; the session is captured again")
         fresh = {digest: key for key, digest in digests.items() if digest in missing}
-        codec = self._codec([_buffer(image.blocks[key]) for key in fresh.values()])
-        encoded = dict(zip(fresh, self._map(lambda d: blobs.encode(_buffer(image.blocks[fresh[d]]), codec), list(fresh)), strict=True))
+        pages = {digest: _buffer(image.blocks[key]) for digest, key in fresh.items()}
+        codec = self._codec(list(pages.values()))
+        encoded = pages if codec == blobs.CODEC_RAW else dict(zip(pages, self._map(lambda d: blobs.encode(pages[d], codec), list(pages)), strict=True))
         layout = self.engine.kv_layout
         groups = tuple(
             GroupPages(group.layers, group.window, tuple(None if page is None else digests[(g, i)] for i, page in enumerate(image.pages[g])))

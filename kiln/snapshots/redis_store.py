@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator
 import redis
 
 from kiln.errors import FailedPreconditionError, LeaseHeldError, ResourceExhaustedError, UnavailableError
+from kiln.snapshots.blobs import Blob
 from kiln.snapshots.manifest import Manifest
 from kiln.snapshots.store import (
     GcReport,
@@ -147,7 +148,7 @@ class RedisStore(SnapshotStore):
                 raise lease_lost(fence, self.lease_of(fence.name))
             return bool(deleted)
 
-    def save(self, manifest: Manifest, blobs: dict[str, bytes], fence: Lease | None = None) -> SaveReport:
+    def save(self, manifest: Manifest, blobs: dict[str, Blob], fence: Lease | None = None) -> SaveReport:
         with _redis_errors("saving a snapshot"), self._writer_lease() as (writer_key, writer_token):
             needed = sorted(manifest.digests())
             absent = self.missing(needed)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.errors import FailedPreconditionError, InvalidArgumentError, LeaseLostError, NotFoundError
+from kiln.snapshots.blobs import Blob
 from kiln.snapshots.manifest import SNAPSHOT_ID, Manifest
 
 
@@ -97,7 +98,7 @@ class SnapshotStore(ABC):
         """The digests among `digests` that have no stored blob."""
 
     @abstractmethod
-    def save(self, manifest: Manifest, blobs: dict[str, bytes], fence: Lease | None = None) -> SaveReport:
+    def save(self, manifest: Manifest, blobs: dict[str, Blob], fence: Lease | None = None) -> SaveReport:
         """Store the `blobs` (digest -> blobs.encode bytes) that are absent, then the manifest, atomically
         replacing any manifest of the same id. Every digest the manifest references must be stored
         afterwards (in `blobs` or already present): FailedPreconditionError otherwise, manifest unwritten.

@@ -96,5 +96,8 @@ def test_float_pages_are_stored_raw_and_compressible_ones_compressed():
     for codec in blobs.CODECS:
         blob = blobs.encode(noise[0], codec)
         assert bytes(blobs.decode(blob, blobs.digest(noise[0]), len(noise[0]))) == noise[0]
-    with pytest.raises(FailedPreconditionError, match="no codec header"):
-        blobs.decode(b"XXXX" + noise[0], blobs.digest(noise[0]), len(noise[0]))
+        assert (blob is noise[0]) == (codec == blobs.CODEC_RAW)  # a raw page is stored as it is, not copied
+    damaged = bytearray(noise[0])
+    damaged[7] ^= 0x01
+    with pytest.raises(FailedPreconditionError, match="corrupt"):
+        blobs.decode(bytes(damaged), blobs.digest(noise[0]), len(noise[0]))
