@@ -70,10 +70,13 @@ def read_index(file: BinaryIO, size: int, where: str) -> dict[str, Entry]:
     return index
 
 
-def read_blobs(file: BinaryIO, entries: dict[str, Entry]) -> dict[str, bytes]:
-    """The blobs of `entries` from an open pack, read in file order (one pass, no seeks back)."""
+def read_blobs(file: BinaryIO, entries: dict[str, Entry]) -> dict[str, bytearray]:
+    """The blobs of `entries` from an open pack, read in file order (one pass, no seeks back), each into
+    its own writable buffer (a restore hands raw pages to torch without another copy)."""
     found = {}
     for digest, entry in sorted(entries.items(), key=lambda item: item[1].offset):
         file.seek(entry.offset)
-        found[digest] = file.read(entry.length)
+        blob = bytearray(entry.length)
+        read = file.readinto(blob)
+        found[digest] = blob if read == entry.length else blob[:read]  # short: a truncated pack
     return found

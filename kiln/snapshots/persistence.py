@@ -641,7 +641,7 @@ class Persistence:
     def _fetch(self, manifest: Manifest, owner: str | None) -> SessionCapture:
         started = time.perf_counter()
         try:
-            image = fetch(manifest, self.engine, self.store)
+            image = fetch(manifest, self.engine, self.store, self._map)
         except FailedPreconditionError:
             with self._cond:
                 self.stats.verification_failures += 1

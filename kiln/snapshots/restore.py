@@ -9,6 +9,7 @@ reads being present, and each blob's size and SHA-256 after decoding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -20,6 +21,8 @@ from kiln.kv.policy import KVPolicy
 from kiln.snapshots import blobs
 from kiln.snapshots.manifest import KVShape, Manifest
 from kiln.snapshots.store import SnapshotStore
+
+Mapper = Callable[[Callable[[str], bytes | memoryview], list[str]], list[bytes | memoryview]]  # fn over items, in order
 
 
 def engine_shape(engine: Engine) -> KVShape:
@@ -82,21 +85,26 @@ def _check_pages(manifest: Manifest, policy: KVPolicy) -> None:
                 )
 
 
-def fetch(manifest: Manifest, engine: Engine, store: SnapshotStore) -> KVImage:
-    """The verified image of a manifest: raises before anything is loaded if any check fails."""
+def fetch(manifest: Manifest, engine: Engine, store: SnapshotStore, verify: Mapper | None = None) -> KVImage:
+    """The verified image of a manifest: raises before anything is loaded if any check fails. `verify`
+    maps the blob checks over pages (Persistence passes its thread pool: SHA-256 releases the GIL)."""
     policy = check_compatible(manifest, engine)
-    shape = manifest.shape
+    size = manifest.shape.page_bytes
     digests = manifest.digests()
     stored = store.get_blobs(digests)
     lost = digests - stored.keys()
     if lost:
         raise FailedPreconditionError(f"snapshot {manifest.snapshot_id}: page blob {min(lost)[:16]} is missing")
-    pages: dict[str, torch.Tensor] = {}
-    for digest, blob in stored.items():
-        raw = blobs.decode(blob, digest, shape.page_bytes)
-        pages[digest] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    order = sorted(stored)
+    raws = (verify or _serially)(lambda digest: blobs.decode(stored[digest], digest, size), order)
+    pages = {digest: torch.frombuffer(raw if isinstance(raw, bytearray) else bytearray(raw), dtype=torch.uint8)
+             for digest, raw in zip(order, raws, strict=True)}
     return KVImage(
         list(manifest.token_ids), manifest.num_computed, policy,
         [[None if d is None else 0 for d in group.pages] for group in manifest.groups],
         {(g, i): pages[d] for g, group in enumerate(manifest.groups) for i, d in enumerate(group.pages) if d is not None},
     )
+
+
+def _serially(fn: Callable[[str], bytes | memoryview], items: list[str]) -> list[bytes | memoryview]:
+    return [fn(item) for item in items]
