@@ -60,6 +60,8 @@ try:
     _syncfs = ctypes.CDLL(None, use_errno=True).syncfs
 except (OSError, AttributeError):  # not Linux: fsync each file and directory instead
     _syncfs = None
+LISTING_SLACK_S = 1.0  # filesystem timestamps tick coarsely (and may lag the wall clock a little)
+LISTING_INTERVAL_S = 1.0  # how stale a process's view of other processes' new packs may be
 
 
 class DirectoryStore(SnapshotStore):
@@ -74,6 +76,7 @@ class DirectoryStore(SnapshotStore):
         self._index_lock = threading.Lock()
         self._packs: dict[str, dict[str, packs.Entry] | None] = {}  # pack name -> its index (None: unreadable)
         self._where: dict[str, tuple[str, packs.Entry]] = {}  # digest -> (pack name, entry)
+        self._listed = (-1, 0.0)  # (mtime_ns of packs/, time.time()) of the last listing
 
     # ---- blobs ------------------------------------------------------------------------------------
 
@@ -83,11 +86,25 @@ class DirectoryStore(SnapshotStore):
     def _pack_path(self, name: str) -> Path:
         return self.root / "packs" / name
 
-    def _refresh(self) -> None:
-        """Bring the digest index up to packs/ as it is now: packs written by other processes are added,
-        packs a gc removed are dropped. Only new packs' indexes are read."""
-        names = {name for name in os.listdir(self.root / "packs") if name.endswith(packs.SUFFIX)}
+    def _refresh(self, force: bool = False) -> None:
+        """Bring the digest index up to packs/: packs other processes wrote are added, packs a gc removed
+        are dropped; only new packs' indexes are read. Unless `force`d, packs/ is listed at most every
+        LISTING_INTERVAL_S and only if its mtime moved (as in git's racy-index check, an mtime within
+        LISTING_SLACK_S of the listing is not trusted): a save need not list a directory of thousands of
+        packs. What that may miss is safe: a blob another process packed since is written again (a
+        duplicate), and `missing` and `get_blobs` force a listing when a pack they count on is gone or a
+        blob is not indexed."""
+        directory = self.root / "packs"
+        mtime = os.stat(directory).st_mtime_ns
+        now = time.time()
         with self._index_lock:
+            listed_mtime, listed_at = self._listed
+            unchanged = mtime == listed_mtime and listed_at - mtime / 1e9 > LISTING_SLACK_S
+            if not force and (unchanged or now - listed_at < LISTING_INTERVAL_S):
+                return
+        names = {name for name in os.listdir(directory) if name.endswith(packs.SUFFIX)}
+        with self._index_lock:
+            self._listed = (mtime, now)
             gone, new = self._packs.keys() - names, names - self._packs.keys()
             for name in gone:
                 del self._packs[name]
@@ -116,10 +133,18 @@ class DirectoryStore(SnapshotStore):
             return None
 
     def missing(self, digests: Iterable[str]) -> set[str]:
+        """A blob counts as stored only if the pack the index names for it still exists (a gc or a hand
+        may have removed it): one stat per pack, not per blob."""
+        wanted = set(digests)
         with _io_errors("checking snapshot blobs"):
             self._refresh()
-            with self._index_lock:
-                absent = {d for d in digests if d not in self._where}
+            for attempt in range(2):
+                with self._index_lock:
+                    absent = {d for d in wanted if d not in self._where}
+                    holding = {self._where[d][0] for d in wanted - absent}
+                if attempt or all(self._pack_path(name).exists() for name in holding):
+                    break
+                self._refresh(force=True)
             if absent and self._has_legacy_blobs():
                 absent = {d for d in absent if not os.path.exists(self._legacy_path(d))}
             return absent
@@ -136,8 +161,8 @@ class DirectoryStore(SnapshotStore):
         wanted = set(digests)
         with _io_errors("reading snapshot blobs"):
             found: dict[str, bytes] = {}
-            for _ in range(2):  # a gc may remove a pack between the index and the read: refresh once
-                self._refresh()
+            for attempt in range(2):  # a blob not indexed, or a pack gone since: list packs/ once
+                self._refresh(force=attempt > 0)
                 with self._index_lock:
                     by_pack: dict[str, dict[str, packs.Entry]] = {}
                     for digest in wanted - found.keys():
@@ -151,7 +176,7 @@ class DirectoryStore(SnapshotStore):
                             found.update(packs.read_blobs(file, entries))
                     except FileNotFoundError:
                         vanished = True
-                if not vanished:
+                if not vanished and len(found) == len(wanted):
                     break
             for digest in wanted - found.keys():
                 try:
@@ -244,7 +269,7 @@ class DirectoryStore(SnapshotStore):
             manifests = self.gc_manifests()
             referenced = set().union(*(m.digests() for m in manifests)) if manifests else set()
             kept = deleted = freed = 0
-            self._refresh()
+            self._refresh(force=True)
             with self._index_lock:
                 stored = dict(self._packs)
             for name, index in sorted(stored.items()):
@@ -273,7 +298,7 @@ class DirectoryStore(SnapshotStore):
                 deleted += 1
             for path in (self.root / "tmp").iterdir():  # no save runs now: these are from crashed ones
                 path.unlink()
-            self._refresh()
+            self._refresh(force=True)
             self._prune_leases()
             return GcReport(len(manifests), kept, deleted, freed)
 

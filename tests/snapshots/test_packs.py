@@ -101,3 +101,15 @@ def test_float_pages_are_stored_raw_and_compressible_ones_compressed():
     damaged[7] ^= 0x01
     with pytest.raises(FailedPreconditionError, match="corrupt"):
         blobs.decode(bytes(damaged), blobs.digest(noise[0]), len(noise[0]))
+
+
+def test_another_process_store_sees_new_packs_and_removed_ones(tmp_path):
+    writer, reader = open_store(tmp_path), open_store(tmp_path)
+    assert reader.missing(digests(1, 2)) == digests(1, 2)  # the reader has just listed packs/
+    writer.save(*synthetic("snap-a", [page(1), page(2)]))
+    assert set(reader.get_blobs(digests(1, 2))) == digests(1, 2)  # not indexed yet: listed again
+    assert reader.missing(digests(1, 2)) == set()
+    writer.delete_manifest("snap-a")
+    writer.gc()
+    assert reader.missing(digests(1, 2)) == digests(1, 2)  # the pack it indexed is gone
+    assert reader.get_blobs(digests(1, 2)) == {}
