@@ -13,9 +13,11 @@
 Crash safety: every file is written to tmp/, then renamed into place (rename is atomic). A save writes
 the blobs the store lacks into one pack and renames it into packs/, writes the manifest to tmp/, makes
 all of it durable with one syncfs of the filesystem (where there is none: fsync of each file and of
-packs/), and only then renames the manifest into place (and fsyncs manifests/). Killed at any point, the store holds the previous manifest or the new one
-with every blob it names. Packs are immutable; each process keeps an index of digest -> (pack, offset),
-refreshed from packs/ under the lock (other processes add packs, gc removes them).
+packs/), and only then renames the manifest into place (and fsyncs manifests/). Killed at any point,
+the store holds the previous manifest or the new one with every blob it names. Packs are immutable;
+each process keeps an index of digest -> (pack, offset), refreshed from packs/ (`_refresh`: other
+processes add packs, gc removes them). Saves in one process pack a blob once; processes sharing a
+directory may each pack a blob the other packed within the last second (a duplicate, never a loss).
 
 gc keeps a pack while any manifest names any page in it, and rewrites a pack whose live blobs are under
 half its blob bytes into a new one (durable) before deleting it: every live blob is in a complete pack at

@@ -2,8 +2,9 @@
 (kiln/snapshots/local.py) and Redis (kiln/snapshots/redis_store.py), chosen by `open_store`.
 
 Contract every backend keeps:
-- Blobs are immutable and named by digest: `put_blobs` writes only absent ones (set-if-absent), so equal
-  pages are stored once whoever writes them.
+- Blobs are immutable and named by digest: `save` writes only absent ones (set-if-absent), so equal
+  pages are stored once whoever writes them (a directory shared by several processes may hold a page
+  twice when two packed it within a second, kiln/snapshots/local.py; never zero times).
 - A save is `save(manifest, blobs)`: blobs first, made durable, manifest last and atomically. A reader
   (or a crash at any point) sees the previous manifest of that id or the new complete one, never a
   manifest whose blobs are missing.
