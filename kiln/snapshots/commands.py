@@ -2,7 +2,8 @@
 (every owner's snapshots, sessions' own included), without loading a model.
 
 An export is one portable file: an uncompressed tar of `manifest.json` and `blobs/<digest>.zst`, every
-blob the manifest references. Import verifies each blob (decoded size and SHA-256) before it
+blob the manifest references as the store holds it (a raw page or a zstd frame, blobs.py; the name is
+format 1's, so exports of either format import). Import verifies each blob (decoded size and SHA-256) before it
 stores anything, then saves like a server would: blobs first, manifest last.
 """
 
