@@ -16,13 +16,14 @@ def shape() -> KVShape:
                    layout_version=1, page_size=16, slots=1, num_kv_heads=1, head_dim=2, page_bytes=PAGE_BYTES)
 
 
-def synthetic(snapshot_id: str, pages: list[bytes], owner: str = "sha256:0") -> tuple[Manifest, dict[str, bytes]]:
-    """A manifest over raw pages, and their compressed blobs."""
+def synthetic(snapshot_id: str, pages: list[bytes], owner: str = "sha256:0",
+              codec: str = blobs.CODEC_ZSTD) -> tuple[Manifest, dict[str, blobs.Blob]]:
+    """A manifest over raw pages, and their blobs in `codec`."""
     digests = [blobs.digest(page) for page in pages]
     manifest = Manifest(snapshot_id=snapshot_id, kind="checkpoint", owner=owner, session_id="s", created_at=1.0,
                         ttl_s=60.0, policy="full", shape=shape(), token_ids=tuple(range(16 * len(pages))),
-                        num_computed=16 * len(pages), groups=(GroupPages((0,), None, tuple(digests)),))
-    return manifest, {d: blobs.compress(page) for d, page in zip(digests, pages, strict=True)}
+                        num_computed=16 * len(pages), groups=(GroupPages((0,), None, tuple(digests)),), codec=codec)
+    return manifest, {d: blobs.encode(page, codec) for d, page in zip(digests, pages, strict=True)}
 
 
 def page(seed: int) -> bytes:
