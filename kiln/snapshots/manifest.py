@@ -18,7 +18,7 @@ from kiln.errors import FailedPreconditionError, InvalidArgumentError
 from kiln.snapshots.blobs import CODEC_ZSTD, CODECS
 
 # Bump when the manifest's fields or their meaning change. 2: `codec` says how this save stored its new
-# pages ("raw" or "zstd"; each blob names its own codec, blobs.py), and a directory store packs them
+# pages ("raw" or "zstd"; a blob decodes by what it is, blobs.py), and a directory store packs them
 # (packs.py). Version 1 manifests (zstd blobs, one file each) are still read.
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
