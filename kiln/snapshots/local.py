@@ -78,7 +78,7 @@ class DirectoryStore(SnapshotStore):
         self._index_lock = threading.Lock()
         self._packs: dict[str, dict[str, packs.Entry] | None] = {}  # pack name -> its index (None: unreadable)
         self._where: dict[str, tuple[str, packs.Entry]] = {}  # digest -> (pack name, entry)
-        self._listed = (-1, 0.0)  # (mtime_ns of packs/, time.time()) of the last listing
+        self._listed = (-1, 0.0, -LISTING_INTERVAL_S)  # (packs/ mtime_ns, time.time(), time.monotonic()) when last listed
 
     # ---- blobs ------------------------------------------------------------------------------------
 
@@ -98,15 +98,15 @@ class DirectoryStore(SnapshotStore):
         blob is not indexed."""
         directory = self.root / "packs"
         mtime = os.stat(directory).st_mtime_ns
-        now = time.time()
+        listing = (mtime, time.time(), time.monotonic())
         with self._index_lock:
-            listed_mtime, listed_at = self._listed
-            unchanged = mtime == listed_mtime and listed_at - mtime / 1e9 > LISTING_SLACK_S
-            if not force and (unchanged or now - listed_at < LISTING_INTERVAL_S):
+            listed_mtime, listed_wall, listed_mono = self._listed
+            unchanged = mtime == listed_mtime and listed_wall - mtime / 1e9 > LISTING_SLACK_S
+            if not force and (unchanged or listing[2] - listed_mono < LISTING_INTERVAL_S):
                 return
         names = {name for name in os.listdir(directory) if name.endswith(packs.SUFFIX)}
         with self._index_lock:
-            self._listed = (mtime, now)
+            self._listed = listing
             gone, new = self._packs.keys() - names, names - self._packs.keys()
             for name in gone:
                 del self._packs[name]
