@@ -1,14 +1,17 @@
 """Snapshot save and restore on the embedded model, in process, and what persistence costs a turn.
 
 For each `--lengths` (512, 2k, 8k tokens: seeded random ids, prefilled by generating one greedy token):
-- full save: the session's first snapshot into an empty store (every page hashed, compressed, written,
-  synced), `--repeats` times, each into a fresh directory;
+- full save: the session's first snapshot into an empty store (every page copied out, hashed, packed
+  into one file, synced), `--repeats` times, each into a fresh directory;
 - incremental save: one more turn (append 32 ids, generate 16 greedy tokens), then a snapshot into the
   store that holds the previous one: only the turn's new pages and its partial last page are written;
 - restore: read, verify (digests, shapes) and load the full snapshot into a new session, and the same
   plus its first generated token, against re-prefilling the same history in a fresh session (other
   seeded ids, so the prefix cache does not help) plus its first token;
-- bytes: compressed blob bytes per history token, and compressed over raw page bytes.
+- bytes: stored pack bytes per history token, stored over raw page bytes, and the codec the saves chose.
+Then what zstd would save per KV codec (none = float16 pages here, int8, int4): a 512-token session's
+pages compressed at blobs.LEVEL, compressed over raw bytes and milliseconds per MiB, the figures
+blobs.choose_codec decides on.
 Then the auto-snapshot overhead: two sessions of a 2k-token prompt, `--turns` turns each (append 32 ids,
 generate 32 greedy tokens), one on an engine that persists every turn in the background and one that
 does not, turns interleaved; the headline is the median turn latency with persistence over without.
@@ -28,6 +31,7 @@ from typing import Any
 import common
 
 from kiln.llm import LLM
+from kiln.snapshots import blobs
 from kiln.snapshots.persistence import Persistence
 from kiln.snapshots.store import open_store
 
@@ -42,7 +46,7 @@ def percentiles(values: list[float]) -> dict[str, Any]:
 
 
 def directory_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in (root / "blobs").glob("*/*.zst"))
+    return sum(p.stat().st_size for p in (root / "packs").glob("*.pack"))
 
 
 def checkpoint(llm: LLM, persistence: Persistence, session_id: str) -> str:
@@ -97,9 +101,26 @@ def measure_length(llm: LLM, length: int, repeats: int, scratch: Path) -> dict[s
         "restore_and_first_token_s": percentiles(restore_first),
         "reprefill_and_first_token_s": percentiles(prefill),
         "restore_speedup": common.ratio(median(prefill), median(restore_first)),
-        "compressed_bytes_per_token": stored / history,
-        "compressed_over_raw": stored / (manifest.page_count() * llm.engine.kv_page_bytes),
+        "stored_bytes_per_token": stored / history,
+        "stored_over_raw": stored / (manifest.page_count() * llm.engine.kv_page_bytes),
+        "codec": manifest.codec,
     }
+
+
+def measure_codecs(loaded: Any, length: int = 512) -> dict[str, Any]:
+    """zstd over raw bytes, and its speed, on a session's pages under each KV codec."""
+    found = {}
+    for kv_codec in ("none", "int8", "int4"):
+        llm = LLM(loaded=loaded, kv_codec=kv_codec)
+        session = llm.create_session(common.random_ids(length, seed=length))
+        session.generate(max_tokens=1, **GREEDY).result()
+        pages = [block.numpy().tobytes() for block in llm.sessions.capture(session.id).image.blocks.values()]
+        seconds, packed = common.timed(lambda pages=pages: [blobs.compress(page) for page in pages])
+        raw = sum(len(page) for page in pages)
+        found[kv_codec] = {"pages": len(pages), "page_bytes": len(pages[0]), "zstd_over_raw": sum(map(len, packed)) / raw,
+                           "zstd_ms_per_mib": seconds * 1e3 / (raw / 2**20), "chosen": blobs.choose_codec(pages)}
+        llm.close()
+    return found
 
 
 def measure_overhead(loaded: Any, turns: int, scratch: Path) -> dict[str, Any]:
@@ -147,13 +168,17 @@ def main() -> None:
             print(f"{length:>6} tokens: save full p50 {row['save_full_s']['p50'] * 1e3:.1f} ms, incremental "
                   f"{row['save_incremental_s']['p50'] * 1e3:.1f} ms, restore {row['restore_s']['p50'] * 1e3:.1f} ms, "
                   f"restore+token vs re-prefill {row['restore_speedup']:.1f}x, "
-                  f"{row['compressed_bytes_per_token'] / 1024:.1f} KiB/token", flush=True)
+                  f"{row['stored_bytes_per_token'] / 1024:.1f} KiB/token stored ({row['codec']})", flush=True)
         llm.close()
+        codecs = measure_codecs(loaded)
+        for name, row in codecs.items():
+            print(f"kv codec {name}: zstd keeps {row['zstd_over_raw'] * 100:.0f} % of {row['page_bytes'] // 1024} KiB pages at "
+                  f"{row['zstd_ms_per_mib']:.2f} ms/MiB -> stored {row['chosen']}", flush=True)
         overhead = measure_overhead(loaded, args.turns, scratch)
         print(f"auto-snapshot overhead per turn: {overhead['overhead'] * 100:+.1f} % (median turn "
               f"{overhead['turn_latency_s']['on']['p50']:.3f} s vs {overhead['turn_latency_s']['off']['p50']:.3f} s)")
     payload = {"benchmark": "snapshot", "machine": machine, "args": vars(args), "lengths": lengths,
-               "auto_snapshot": overhead}
+               "kv_codecs": codecs, "auto_snapshot": overhead}
     print(f"wrote {common.write_results(args.name, payload)}")
     labels = list(lengths)
     common.plot_bars(args.name, [

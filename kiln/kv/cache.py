@@ -260,14 +260,16 @@ class KVCache:
         if table.policy.tiered:
             return KVImage(list(tokens), 0, table.policy, [[] for _ in table.pages], {})
         full = num_computed // self.page_size
+        wanted = [((g, i), page) for g, pages in enumerate(table.pages) for i, page in enumerate(pages)
+                  if page is not None and not (i < full and known.get((g, i)) == page)]
         blocks = {}
-        for g, pages in enumerate(table.pages):
-            for i, page in enumerate(pages):
-                if page is not None and not (i < full and known.get((g, i)) == page):
-                    block = self.storage.page(page).to("cpu", copy=True)
-                    if i == full:  # the partial last page: nothing past the computed tokens leaves
-                        self.storage.codec.clear_from(block, num_computed % self.page_size)
-                    blocks[(g, i)] = block
+        if wanted:  # one gather for every page (a copy per page costs more in calls than in bytes)
+            ids = torch.tensor([page for _, page in wanted], dtype=torch.long, device=self.storage.device)
+            rows = self.storage.data.index_select(0, ids).to("cpu")
+            for row, (key, _) in zip(rows, wanted, strict=True):
+                if key[1] == full:  # the partial last page: nothing past the computed tokens leaves
+                    self.storage.codec.clear_from(row, num_computed % self.page_size)
+                blocks[key] = row
         return KVImage(list(tokens), num_computed, table.policy, [list(pages) for pages in table.pages], blocks)
 
     def load(self, image: KVImage) -> PageTable | None:

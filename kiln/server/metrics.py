@@ -107,7 +107,7 @@ class _AuthFailures(Collector):
 
 
 def _snapshot_counters(stats: SnapshotStats):  # noqa: ANN202 - metric families
-    yield CounterMetricFamily("kiln_snapshot_bytes_written", "Bytes written to the snapshot store (compressed blobs "
+    yield CounterMetricFamily("kiln_snapshot_bytes_written", "Bytes written to the snapshot store (page blobs "
                               "and manifests)", value=stats.bytes_written)
     yield CounterMetricFamily("kiln_snapshot_dedup_bytes", "Raw page bytes a save did not write because the store "
                               "already held the page", value=stats.dedup_bytes)

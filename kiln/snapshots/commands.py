@@ -2,7 +2,8 @@
 (every owner's snapshots, sessions' own included), without loading a model.
 
 An export is one portable file: an uncompressed tar of `manifest.json` and `blobs/<digest>.zst`, every
-blob the manifest references. Import verifies each blob (decompressed size and SHA-256) before it
+blob the manifest references as the store holds it (a raw page or a zstd frame, blobs.py; the name is
+format 1's, so exports of either format import). Import verifies each blob (decoded size and SHA-256) before it
 stores anything, then saves like a server would: blobs first, manifest last.
 """
 
@@ -97,7 +98,7 @@ def import_file(store: SnapshotStore, args: argparse.Namespace) -> str:
         blob = files.get(f"blobs/{digest}.zst")
         if blob is None:
             raise FailedPreconditionError(f"{args.file}: page blob {digest[:16]} is missing")
-        blobs.decompress(blob, digest, manifest.shape.page_bytes)  # verified before anything is stored
+        blobs.decode(blob, digest, manifest.shape.page_bytes)  # verified before anything is stored
         stored[digest] = blob
     report = store.save(manifest, stored)
     return f"imported {manifest.snapshot_id} ({report.blobs_written} new blobs, {report.blobs_deduplicated} already stored)"

@@ -1,17 +1,27 @@
 """DirectoryStore: snapshots in a local directory.
 
-    ROOT/blobs/ab/<digest>.zst     page blobs, in 256 fan-out directories
+    ROOT/packs/<name>.pack         the new page blobs of one save each, with an index (kiln/snapshots/packs.py)
+    ROOT/blobs/ab/<digest>.zst     page blobs of format-1 stores, one file each (read and collected, never written)
     ROOT/manifests/<id>.json       manifests
     ROOT/tmp/                      files being written (a crash leaves them here; gc removes them)
     ROOT/lock                      flock: saves hold it shared, gc exclusive
+    ROOT/packs/lock                flock: a save holds it exclusive while it finds and packs the absent blobs
     ROOT/leases/<name>.json        a lease: holder, fencing token, expiry (wall-clock seconds)
     ROOT/leases/tokens             the last fencing token granted (one counter for every name)
     ROOT/leases/lock               flock: lease changes hold it exclusive, fenced writes and reads shared
 
 Crash safety: every file is written to tmp/, then renamed into place (rename is atomic). A save writes
-its new blobs, makes them durable with one syncfs of the filesystem (one flush for hundreds of blobs
-instead of an fsync each), then writes the manifest (fsync, rename, fsync of the manifests directory).
-Killed at any point, the store holds the previous manifest or the new one with every blob it names.
+the blobs the store lacks into one pack and renames it into packs/, writes the manifest to tmp/, makes
+all of it durable with one syncfs of the filesystem (where there is none: fsync of each file and of
+packs/), and only then renames the manifest into place (and fsyncs manifests/). Killed at any point,
+the store holds the previous manifest or the new one with every blob it names. Packs are immutable;
+each process keeps an index of digest -> (pack, offset), refreshed from packs/ (`_refresh`: other
+processes add packs, gc removes them). Saves in one process pack a blob once; processes sharing a
+directory may each pack a blob the other packed within the last second (a duplicate, never a loss).
+
+gc keeps a pack while any manifest names any page in it, and rewrites a pack whose live blobs are under
+half its blob bytes into a new one (durable) before deleting it: every live blob is in a complete pack at
+every instant.
 
 Leases lapse by the wall clock, which every process on the machine shares. A fenced write checks the
 lease and renames its manifest into place under the lease lock (shared), and every grant takes it
@@ -28,9 +38,9 @@ import fcntl
 import json
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,6 +51,8 @@ from kiln.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from kiln.snapshots import packs
+from kiln.snapshots.blobs import Blob
 from kiln.snapshots.manifest import DIGEST, SNAPSHOT_ID, Manifest
 from kiln.snapshots.store import (
     GcReport,
@@ -54,9 +66,10 @@ from kiln.snapshots.store import (
 
 try:
     _syncfs = ctypes.CDLL(None, use_errno=True).syncfs
-except (OSError, AttributeError):  # not Linux: fsync each file instead
+except (OSError, AttributeError):  # not Linux: fsync each file and directory instead
     _syncfs = None
-WRITE_THREADS = 4  # blob files are written in parallel: creating, writing and renaming a file is mostly waiting
+LISTING_SLACK_S = 1.0  # filesystem timestamps tick coarsely (and may lag the wall clock a little)
+LISTING_INTERVAL_S = 1.0  # how stale a process's view of other processes' new packs may be
 
 
 class DirectoryStore(SnapshotStore):
@@ -64,36 +77,136 @@ class DirectoryStore(SnapshotStore):
         self.root = root
         self.url = str(root)
         with _io_errors(f"snapshot directory {root}"):
-            for sub in ("blobs", "manifests", "tmp", "leases"):
+            for sub in ("packs", "blobs", "manifests", "tmp", "leases"):
                 (root / sub).mkdir(parents=True, exist_ok=True)
-            (root / "lock").touch()
-            (root / "leases" / "lock").touch()
-        self._pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="kiln-snapshot-write")
+            for lock in ("lock", "packs/lock", "leases/lock"):
+                (root / lock).touch()
+        self._index_lock = threading.Lock()
+        self._packs: dict[str, dict[str, packs.Entry] | None] = {}  # pack name -> its index (None: unreadable)
+        self._where: dict[str, tuple[str, packs.Entry]] = {}  # digest -> (pack name, entry)
+        self._listed = (-1, 0.0, -LISTING_INTERVAL_S)  # (packs/ mtime_ns, time.time(), time.monotonic()) when last listed
 
     # ---- blobs ------------------------------------------------------------------------------------
 
-    def _blob_path(self, digest: str) -> Path:
-        return self.root / "blobs" / digest[:2] / f"{digest}.zst"
+    def _legacy_path(self, digest: str) -> str:
+        return os.path.join(self.root, "blobs", digest[:2], f"{digest}.zst")
+
+    def _pack_path(self, name: str) -> Path:
+        return self.root / "packs" / name
+
+    def _refresh(self, force: bool = False) -> None:
+        """Bring the digest index up to packs/: packs other processes wrote are added, packs a gc removed
+        are dropped; only new packs' indexes are read. Unless `force`d, packs/ is listed at most every
+        LISTING_INTERVAL_S and only if its mtime moved (as in git's racy-index check, an mtime within
+        LISTING_SLACK_S of the listing is not trusted): a save need not list a directory of thousands of
+        packs. What that may miss is safe: a blob another process packed since is written again (a
+        duplicate), and `missing` and `get_blobs` force a listing when a pack they count on is gone or a
+        blob is not indexed."""
+        directory = self.root / "packs"
+        mtime = os.stat(directory).st_mtime_ns
+        listing = (mtime, time.time(), time.monotonic())
+        with self._index_lock:
+            listed_mtime, listed_wall, listed_mono = self._listed
+            unchanged = mtime == listed_mtime and listed_wall - mtime / 1e9 > LISTING_SLACK_S
+            if not force and (unchanged or listing[2] - listed_mono < LISTING_INTERVAL_S):
+                return
+        names = {name for name in os.listdir(directory) if name.endswith(packs.SUFFIX)}
+        with self._index_lock:
+            self._listed = listing
+            gone, new = self._packs.keys() - names, names - self._packs.keys()
+            for name in gone:
+                del self._packs[name]
+            if gone:  # a digest of a removed pack may live on in another (gc rewrote it there)
+                self._where = {}
+                for name, index in self._packs.items():
+                    self._add_pack(name, index)
+            for name in new:
+                self._add_pack(name, self._read_index(name))
+
+    def _add_pack(self, name: str, index: dict[str, packs.Entry] | None) -> None:
+        """Called with the index lock held."""
+        self._packs[name] = index
+        for digest, entry in (index or {}).items():
+            self._where.setdefault(digest, (name, entry))
+
+    def _read_index(self, name: str) -> dict[str, packs.Entry] | None:
+        """A pack's index, or None if it is damaged (its blobs are then missing: restores that need them
+        refuse, and gc keeps the file, as it cannot tell which blobs it holds)."""
+        try:
+            with open(self._pack_path(name), "rb") as file:
+                return packs.read_index(file, os.fstat(file.fileno()).st_size, name)
+        except FileNotFoundError:
+            return {}
+        except FailedPreconditionError:
+            return None
 
     def missing(self, digests: Iterable[str]) -> set[str]:
-        return {d for d in digests if not self._blob_path(d).exists()}
+        """A blob counts as stored only if the pack the index names for it still exists (a gc or a hand
+        may have removed it): one stat per pack, not per blob."""
+        wanted = set(digests)
+        with _io_errors("checking snapshot blobs"):
+            self._refresh()
+            for attempt in range(2):
+                with self._index_lock:
+                    absent = {d for d in wanted if d not in self._where}
+                    holding = {self._where[d][0] for d in wanted - absent}
+                if attempt or all(self._pack_path(name).exists() for name in holding):
+                    break
+                self._refresh(force=True)
+            if absent and self._has_legacy_blobs():
+                absent = {d for d in absent if not os.path.exists(self._legacy_path(d))}
+            return absent
+
+    def _has_legacy_blobs(self) -> bool:
+        with os.scandir(self.root / "blobs") as entries:
+            return any(True for _ in entries)
 
     def blob_sizes(self, digests: Iterable[str]) -> dict[str, int]:
-        sizes = {}
-        with _io_errors("reading a snapshot blob's size"):
-            for digest in digests:
+        """From the packs' indexes in memory; a format-1 blob file's size from a stat."""
+        wanted = set(digests)
+        with _io_errors("reading snapshot blob sizes"):
+            self._refresh()
+            with self._index_lock:
+                sizes = {d: self._where[d][1].length for d in wanted if d in self._where}
+            for digest in wanted - sizes.keys() if self._has_legacy_blobs() else ():
                 try:
-                    sizes[digest] = self._blob_path(digest).stat().st_size
+                    sizes[digest] = os.stat(self._legacy_path(digest)).st_size
                 except FileNotFoundError:
                     continue
         return sizes
 
     def get_blob(self, digest: str) -> bytes | None:
-        with _io_errors("reading a snapshot blob"):
-            try:
-                return self._blob_path(digest).read_bytes()
-            except FileNotFoundError:
-                return None
+        return self.get_blobs([digest]).get(digest)
+
+    def get_blobs(self, digests: Iterable[str]) -> dict[str, bytes]:
+        """Each pack holding some of `digests` is opened once and read front to back."""
+        wanted = set(digests)
+        with _io_errors("reading snapshot blobs"):
+            found: dict[str, bytes] = {}
+            for attempt in range(2):  # a blob not indexed, or a pack gone since: list packs/ once
+                self._refresh(force=attempt > 0)
+                with self._index_lock:
+                    by_pack: dict[str, dict[str, packs.Entry]] = {}
+                    for digest in wanted - found.keys():
+                        if digest in self._where:
+                            name, entry = self._where[digest]
+                            by_pack.setdefault(name, {})[digest] = entry
+                vanished = False
+                for name, entries in sorted(by_pack.items()):
+                    try:
+                        with open(self._pack_path(name), "rb") as file:
+                            found.update(packs.read_blobs(file, entries))
+                    except FileNotFoundError:
+                        vanished = True
+                if not vanished and len(found) == len(wanted):
+                    break
+            for digest in wanted - found.keys():
+                try:
+                    with open(self._legacy_path(digest), "rb") as file:
+                        found[digest] = file.read()
+                except FileNotFoundError:
+                    continue
+            return found
 
     # ---- manifests --------------------------------------------------------------------------------
 
@@ -123,51 +236,80 @@ class DirectoryStore(SnapshotStore):
             return True
 
     def close(self) -> None:
-        self._pool.shutdown()
+        """Nothing to release: files are opened per call."""
 
     # ---- save and gc ------------------------------------------------------------------------------
 
-    def save(self, manifest: Manifest, blobs: dict[str, bytes], fence: Lease | None = None) -> SaveReport:
+    def save(self, manifest: Manifest, blobs: dict[str, Blob], fence: Lease | None = None) -> SaveReport:
+        """One flush per save (syncfs): the pack, its name in packs/ and the manifest's bytes; then the
+        manifest's rename and the fsync of manifests/. A pack is visible before that flush, so a save
+        beside this one may count on its blobs: that save's own flush makes them durable too."""
         with _io_errors("saving a snapshot"), self._lock(fcntl.LOCK_SH):
-            needed = sorted(manifest.digests())
-            absent = self.missing(needed)
-            unknown = absent - blobs.keys()
-            if unknown:
-                raise FailedPreconditionError(f"page blob {min(unknown)[:16]} is neither stored nor part of this save")
-            created = [d for d, new in zip(sorted(absent), self._pool.map(lambda d: self._write_blob(d, blobs[d]), sorted(absent)),
-                                           strict=True) if new]
-            if absent and _syncfs is not None:
-                self._syncfs()
+            needed = manifest.digests()
+            with self._lock(fcntl.LOCK_EX, "packs/lock"):  # set-if-absent: concurrent saves pack a blob once
+                absent = self.missing(needed)
+                unknown = absent - blobs.keys()
+                if unknown:
+                    raise FailedPreconditionError(f"page blob {min(unknown)[:16]} is neither stored nor part of this save")
+                written = self._write_pack([(d, blobs[d]) for d in sorted(absent)], durable=_syncfs is None) if absent else 0
             data = manifest.to_json()
-            with self._fenced(fence):
-                self._write_file(self._manifest_path(manifest.snapshot_id), data, sync=True)
-                _fsync_dir(self.root / "manifests")
-            return SaveReport(len(created), sum(len(blobs[d]) for d in created) + len(data), len(needed) - len(created))
+            staged = self._stage(data, sync=_syncfs is None)
+            try:
+                if _syncfs is not None:
+                    self._syncfs()
+                with self._fenced(fence):
+                    os.replace(staged, self._manifest_path(manifest.snapshot_id))
+                    _fsync_dir(self.root / "manifests")
+            finally:
+                staged.unlink(missing_ok=True)
+            return SaveReport(len(absent), written + len(data), len(needed) - len(absent))
 
-    def _write_blob(self, digest: str, data: bytes) -> bool:
-        """Set-if-absent: the blob is written to tmp/ and hard-linked into place, which fails if a save
-        beside this one got there first. True if this call created it."""
-        path = self._blob_path(digest)
-        path.parent.mkdir(exist_ok=True)
-        tmp = self.root / "tmp" / f"{path.name}.{secrets.token_hex(6)}"
+    def _write_pack(self, entries: list[tuple[str, Blob]], durable: bool) -> int:
+        """One new pack of `entries`, renamed into packs/ complete and then indexed; `durable`: fsync of
+        the file and of packs/ first (else the caller flushes). Returns its size. Two saves may pack the
+        same blob: the index serves either copy."""
+        name = secrets.token_hex(12) + packs.SUFFIX
+        tmp = self.root / "tmp" / name
         try:
             with open(tmp, "wb") as file:
-                file.write(data)
-                if _syncfs is None:
-                    file.flush()
+                index = packs.write_pack(file, entries)
+                file.flush()
+                if durable:
                     os.fsync(file.fileno())
-            os.link(tmp, path)
-            return True
-        except FileExistsError:
-            return False
+                size = file.tell()
+            os.rename(tmp, self._pack_path(name))
         finally:
             tmp.unlink(missing_ok=True)
+        if durable:
+            _fsync_dir(self.root / "packs")
+        with self._index_lock:
+            self._add_pack(name, index)
+        return size
 
     def gc(self) -> GcReport:
         with _io_errors("collecting snapshot garbage"), self._lock(fcntl.LOCK_EX):
             manifests = self.gc_manifests()
             referenced = set().union(*(m.digests() for m in manifests)) if manifests else set()
             kept = deleted = freed = 0
+            self._refresh(force=True)
+            with self._index_lock:
+                stored = dict(self._packs)
+            for name, index in sorted(stored.items()):
+                if index is None:  # unreadable: which blobs it holds is unknown, so it stays
+                    continue
+                live = {d: entry for d, entry in index.items() if d in referenced}
+                live_bytes = sum(entry.length for entry in live.values())
+                if live and live_bytes * 2 >= sum(entry.length for entry in index.values()):
+                    kept += len(live)  # its dead blobs stay until they are half its blob bytes
+                    continue
+                size = self._pack_path(name).stat().st_size
+                if live:
+                    with open(self._pack_path(name), "rb") as file:
+                        self._write_pack(sorted(packs.read_blobs(file, live).items()), durable=True)
+                    kept += len(live)
+                self._pack_path(name).unlink()
+                freed += size
+                deleted += len(index) - len(live)
             for path in (self.root / "blobs").glob("*/*.zst"):
                 digest = path.name.removesuffix(".zst")
                 if DIGEST.fullmatch(digest) and digest in referenced:
@@ -178,6 +320,7 @@ class DirectoryStore(SnapshotStore):
                 deleted += 1
             for path in (self.root / "tmp").iterdir():  # no save runs now: these are from crashed ones
                 path.unlink()
+            self._refresh(force=True)
             self._prune_leases()
             return GcReport(len(manifests), kept, deleted, freed)
 
@@ -279,17 +422,27 @@ class DirectoryStore(SnapshotStore):
         """Write via tmp/ and rename (replacing what is there); fsync first if `sync`. No partial file is
         ever at `path`. `beside` writes PATH.tmp instead, for lease files: they change under the
         exclusive lease lock, which gc (emptying tmp/) does not take, and that lock makes one name enough."""
-        tmp = path.with_name(f"{path.name}.tmp") if beside else self.root / "tmp" / f"{path.name}.{secrets.token_hex(6)}"
+        staged = self._stage(data, sync, path.with_name(f"{path.name}.tmp") if beside else None)
+        try:
+            os.replace(staged, path)
+        finally:
+            staged.unlink(missing_ok=True)
+        return path
+
+    def _stage(self, data: bytes, sync: bool, tmp: Path | None = None) -> Path:
+        """`data` in a new file (under tmp/ unless `tmp` names one), fsynced if `sync`, to be renamed into
+        place; nothing is left behind if writing fails."""
+        tmp = tmp or self.root / "tmp" / f"{secrets.token_hex(8)}.json"
         try:
             with open(tmp, "wb") as file:
                 file.write(data)
                 if sync:
                     file.flush()
                     os.fsync(file.fileno())
-            os.replace(tmp, path)
-        finally:
+        except BaseException:
             tmp.unlink(missing_ok=True)
-        return path
+            raise
+        return tmp
 
     def _syncfs(self) -> None:
         fd = os.open(self.root, os.O_RDONLY)
@@ -302,7 +455,8 @@ class DirectoryStore(SnapshotStore):
 
     @contextlib.contextmanager
     def _lock(self, mode: int, name: str = "lock") -> Iterator[None]:
-        """flock on ROOT/`name`, released when the block ends (order: ROOT/lock before leases/lock)."""
+        """flock on ROOT/`name`, released when the block ends (order: ROOT/lock before packs/lock or
+        leases/lock, never both of those)."""
         with open(self.root / name, "rb") as lock:
             fcntl.flock(lock, mode)
             yield  # closing the file releases the lock

@@ -15,9 +15,13 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from kiln.errors import FailedPreconditionError, InvalidArgumentError
+from kiln.snapshots.blobs import CODEC_ZSTD, CODECS
 
-FORMAT_VERSION = 1  # bump when the manifest's fields or their meaning change
-CODEC = "zstd"  # how blobs are compressed
+# Bump when the manifest's fields or their meaning change. 2: `codec` says how this save stored its new
+# pages ("raw" or "zstd"; a blob decodes by what it is, blobs.py), and a directory store packs them
+# (packs.py). Version 1 manifests (zstd blobs, one file each) are still read.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 KIND_CHECKPOINT = "checkpoint"  # an explicit snapshot (Session.snapshot), restored into a new session
 KIND_SESSION = "session"  # a session's own persistence: it comes back under the same id
 KINDS = (KIND_CHECKPOINT, KIND_SESSION)
@@ -83,7 +87,7 @@ class Manifest:
     token_ids: tuple[int, ...]
     num_computed: int  # token_ids[:num_computed] have K/V in the pages
     groups: tuple[GroupPages, ...]
-    codec: str = CODEC
+    codec: str = CODEC_ZSTD  # how this save stored its new pages (blobs.CODECS)
     format_version: int = FORMAT_VERSION
     session_created_at: float = field(default=0.0)  # when the session (not this snapshot) was created
 
@@ -94,7 +98,11 @@ class Manifest:
         return sum(digest is not None for group in self.groups for digest in group.pages)
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        """Built field by field: dataclasses.asdict would deep-copy every token id and digest (ms at 2k)."""
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        fields["shape"] = asdict(self.shape)
+        fields["groups"] = [{"layers": g.layers, "window": g.window, "pages": g.pages} for g in self.groups]
+        return json.dumps(fields, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
@@ -106,9 +114,10 @@ class Manifest:
             raise FailedPreconditionError(f"snapshot manifest {where} is not valid JSON: {error}") from None
         if not isinstance(raw, dict):
             raise FailedPreconditionError(f"snapshot manifest {where} is not a JSON object")
-        if raw.get("format_version") != FORMAT_VERSION:
+        if raw.get("format_version") not in READABLE_VERSIONS:
             raise FailedPreconditionError(
-                f"snapshot {where} has format version {raw.get('format_version')!r}; this Kiln reads version {FORMAT_VERSION}"
+                f"snapshot {where} has format version {raw.get('format_version')!r}; this Kiln reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}"
             )
         try:
             manifest = cls(
@@ -122,6 +131,8 @@ class Manifest:
 
     def _check_structure(self, where: str) -> None:
         problems = []
+        if self.codec not in CODECS:
+            problems.append(f"codec {self.codec!r}")
         if self.kind not in KINDS:
             problems.append(f"kind {self.kind!r}")
         if not SNAPSHOT_ID.fullmatch(str(self.snapshot_id)):

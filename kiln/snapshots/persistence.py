@@ -28,7 +28,8 @@ the store lacks it, so a turn writes its new full pages, its partial last page a
 session's capture does not even copy the full pages it saved before (`known`): their digests ride along.
 If the store lost such a blob (gc, a hand-deleted file), the capture cannot rewrite it: the saver forgets
 those pages and asks for a fresh capture (`stale_sessions`); a complete capture is retried once at once.
-Hashing and compression run on a small thread pool, outside every lock.
+Hashing and encoding run on a small thread pool, outside every lock. Pages are stored raw unless
+compressing this engine's KV encoding pays (blobs.choose_codec; decided once, recorded in each manifest).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ class SnapshotStats:
     save_failures: Counter[str] = field(default_factory=Counter)  # by error code
     restores: Counter[str] = field(default_factory=Counter)  # by source: checkpoint | session
     verification_failures: int = 0
-    bytes_written: int = 0  # compressed blobs and manifests
+    bytes_written: int = 0  # stored blobs and manifests
     dedup_bytes: int = 0  # raw page bytes not written because the store already held them
     blobs_written: int = 0
 
@@ -212,6 +213,7 @@ class Persistence:
         self.backoff = backoff or Backoff()
         self.close_timeout_s = close_timeout_s  # how long `close` keeps retrying saves that fail
         self.stats = SnapshotStats()
+        self._chosen_codec: str | None = None  # how new pages are stored (`_codec`), once a save chose it
         self._observers: list[Observer] = []
         self._memo: dict[str, dict[PageKey, tuple[int, str]]] = {}  # session -> full page -> (pool page, digest)
         # bumped whenever a session leaves memory or its memo is forgotten: a capture's digests are
@@ -670,7 +672,9 @@ class Persistence:
                                     "from the store; the session is captured again")
         fresh = {digest: key for key, digest in digests.items() if digest in missing}
         stored = self.store.blob_sizes(set(digests.values()) - missing)  # the snapshot's size (`saved`)
-        compressed = dict(zip(fresh, self._map(lambda d: blobs.compress(_buffer(image.blocks[fresh[d]])), list(fresh)), strict=True))
+        pages = {digest: _buffer(image.blocks[key]) for digest, key in fresh.items()}
+        codec = self._codec(list(pages.values()))
+        encoded = pages if codec == blobs.CODEC_RAW else dict(zip(pages, self._map(lambda d: blobs.encode(pages[d], codec), list(pages)), strict=True))
         layout = self.engine.kv_layout
         groups = tuple(
             GroupPages(group.layers, group.window, tuple(None if page is None else digests[(g, i)] for i, page in enumerate(image.pages[g])))
@@ -680,10 +684,19 @@ class Persistence:
             snapshot_id=snapshot_id, kind=kind, owner=owner_digest(capture.owner), session_id=capture.session_id,
             created_at=time.time(), ttl_s=capture.ttl_s, policy=image.policy.key.decode(), shape=engine_shape(self.engine),
             token_ids=tuple(image.tokens), num_computed=image.num_computed, groups=groups,
-            session_created_at=capture.created_at,
+            session_created_at=capture.created_at, codec=codec,
         )
-        report = self.store.save(manifest, compressed, fence=fence)
-        return report, digests, _saved(manifest, {**stored, **{digest: len(blob) for digest, blob in compressed.items()}})
+        report = self.store.save(manifest, encoded, fence=fence)
+        written = {digest: memoryview(blob).nbytes for digest, blob in encoded.items()}
+        return report, digests, _saved(manifest, {**stored, **written})
+
+    def _codec(self, pages: list[memoryview]) -> str:
+        """How new pages are stored: decided once, on the first pages this engine's KV encoding offers
+        (a sample spread over them), and kept (blobs.choose_codec)."""
+        if self._chosen_codec is None and pages:
+            step = max(1, len(pages) // blobs.SAMPLE_PAGES)
+            self._chosen_codec = blobs.choose_codec(pages[::step][: blobs.SAMPLE_PAGES])
+        return self._chosen_codec or blobs.CODEC_RAW
 
     def _map(self, fn: Callable[[T], R], items: list[T]) -> list[R]:
         """fn over items on the encoding threads, in about one batch per thread (a future per page would
@@ -695,7 +708,7 @@ class Persistence:
     def _fetch(self, manifest: Manifest, owner: str | None) -> SessionCapture:
         started = time.perf_counter()
         try:
-            image = fetch(manifest, self.engine, self.store)
+            image = fetch(manifest, self.engine, self.store, self._map)
         except FailedPreconditionError:
             with self._cond:
                 self.stats.verification_failures += 1

@@ -4,11 +4,12 @@ Checked, each a typed error naming what differs: format version and codec (the m
 KV format fingerprint and every shape field (another model, weight format, KV dtype, page size or
 layout is FailedPreconditionError), the KV groups, the policy, token ids against this vocabulary and
 context (InvalidArgumentError), page counts against the computed tokens, every page the next step
-reads being present, and each blob's size and SHA-256 after decompression.
+reads being present, and each blob's size and SHA-256 after decoding.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -18,8 +19,10 @@ from kiln.errors import FailedPreconditionError, InvalidArgumentError
 from kiln.kv.image import KVImage
 from kiln.kv.policy import KVPolicy
 from kiln.snapshots import blobs
-from kiln.snapshots.manifest import CODEC, KVShape, Manifest
+from kiln.snapshots.manifest import KVShape, Manifest
 from kiln.snapshots.store import SnapshotStore
+
+Mapper = Callable[[Callable[[str], bytes | memoryview], list[str]], list[bytes | memoryview]]  # fn over items, in order
 
 
 def engine_shape(engine: Engine) -> KVShape:
@@ -39,8 +42,6 @@ def engine_groups(engine: Engine) -> list[tuple[tuple[int, ...], int | None]]:
 def check_compatible(manifest: Manifest, engine: Engine) -> KVPolicy:
     """Everything short of reading blobs; returns the snapshot's policy."""
     where = manifest.snapshot_id
-    if manifest.codec != CODEC:
-        raise FailedPreconditionError(f"snapshot {where} uses codec {manifest.codec!r}; this Kiln reads {CODEC!r}")
     mine = asdict(engine_shape(engine))
     theirs = asdict(manifest.shape)
     differences = [f"{key} {theirs[key]!r} (this server: {mine[key]!r})" for key in mine if theirs[key] != mine[key]]
@@ -84,19 +85,26 @@ def _check_pages(manifest: Manifest, policy: KVPolicy) -> None:
                 )
 
 
-def fetch(manifest: Manifest, engine: Engine, store: SnapshotStore) -> KVImage:
-    """The verified image of a manifest: raises before anything is loaded if any check fails."""
+def fetch(manifest: Manifest, engine: Engine, store: SnapshotStore, verify: Mapper | None = None) -> KVImage:
+    """The verified image of a manifest: raises before anything is loaded if any check fails. `verify`
+    maps the blob checks over pages (Persistence passes its thread pool: SHA-256 releases the GIL)."""
     policy = check_compatible(manifest, engine)
-    shape = manifest.shape
-    pages: dict[str, torch.Tensor] = {}
-    for digest in sorted(manifest.digests()):
-        blob = store.get_blob(digest)
-        if blob is None:
-            raise FailedPreconditionError(f"snapshot {manifest.snapshot_id}: page blob {digest[:16]} is missing")
-        raw = blobs.decompress(blob, digest, shape.page_bytes)
-        pages[digest] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    size = manifest.shape.page_bytes
+    digests = manifest.digests()
+    stored = store.get_blobs(digests)
+    lost = digests - stored.keys()
+    if lost:
+        raise FailedPreconditionError(f"snapshot {manifest.snapshot_id}: page blob {min(lost)[:16]} is missing")
+    order = sorted(stored)
+    raws = (verify or _serially)(lambda digest: blobs.decode(stored[digest], digest, size), order)
+    pages = {digest: torch.frombuffer(raw if isinstance(raw, bytearray) else bytearray(raw), dtype=torch.uint8)
+             for digest, raw in zip(order, raws, strict=True)}
     return KVImage(
         list(manifest.token_ids), manifest.num_computed, policy,
         [[None if d is None else 0 for d in group.pages] for group in manifest.groups],
         {(g, i): pages[d] for g, group in enumerate(manifest.groups) for i, d in enumerate(group.pages) if d is not None},
     )
+
+
+def _serially(fn: Callable[[str], bytes | memoryview], items: list[str]) -> list[bytes | memoryview]:
+    return [fn(item) for item in items]

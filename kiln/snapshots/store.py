@@ -2,8 +2,9 @@
 (kiln/snapshots/local.py) and Redis (kiln/snapshots/redis_store.py), chosen by `open_store`.
 
 Contract every backend keeps:
-- Blobs are immutable and named by digest: `put_blobs` writes only absent ones (set-if-absent), so equal
-  pages are stored once whoever writes them.
+- Blobs are immutable and named by digest: `save` writes only absent ones (set-if-absent), so equal
+  pages are stored once whoever writes them (a directory shared by several processes may hold a page
+  twice when two packed it within a second, kiln/snapshots/local.py; never zero times).
 - A save is `save(manifest, blobs)`: blobs first, made durable, manifest last and atomically. A reader
   (or a crash at any point) sees the previous manifest of that id or the new complete one, never a
   manifest whose blobs are missing.
@@ -31,13 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.errors import FailedPreconditionError, InvalidArgumentError, LeaseLostError, NotFoundError
+from kiln.snapshots.blobs import Blob
 from kiln.snapshots.manifest import SNAPSHOT_ID, Manifest
 
 
 @dataclass(frozen=True)
 class SaveReport:
     blobs_written: int
-    bytes_written: int  # compressed bytes of new blobs plus the manifest
+    bytes_written: int  # stored bytes of new blobs plus the manifest
     blobs_deduplicated: int  # referenced blobs that were already stored
 
 
@@ -97,8 +99,8 @@ class SnapshotStore(ABC):
         """The digests among `digests` that have no stored blob."""
 
     @abstractmethod
-    def save(self, manifest: Manifest, blobs: dict[str, bytes], fence: Lease | None = None) -> SaveReport:
-        """Store the compressed `blobs` (digest -> bytes) that are absent, then the manifest, atomically
+    def save(self, manifest: Manifest, blobs: dict[str, Blob], fence: Lease | None = None) -> SaveReport:
+        """Store the `blobs` (digest -> blobs.encode bytes) that are absent, then the manifest, atomically
         replacing any manifest of the same id. Every digest the manifest references must be stored
         afterwards (in `blobs` or already present): FailedPreconditionError otherwise, manifest unwritten.
         With `fence`, the manifest is written only if `fence` is still the live lease of its name
@@ -111,7 +113,12 @@ class SnapshotStore(ABC):
 
     @abstractmethod
     def get_blob(self, digest: str) -> bytes | None:
-        """The compressed blob, or None if it is not stored."""
+        """The stored blob (blobs.decode reads it), or None if it is not stored."""
+
+    def get_blobs(self, digests: Iterable[str]) -> dict[str, bytes]:
+        """The stored blobs among `digests` (absent ones left out); a backend reads them in bulk."""
+        found = {digest: self.get_blob(digest) for digest in set(digests)}
+        return {digest: blob for digest, blob in found.items() if blob is not None}
 
     @abstractmethod
     def manifest_bytes(self, snapshot_id: str) -> bytes | None:

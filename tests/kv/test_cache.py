@@ -228,3 +228,20 @@ def test_check_verifies_new_pages_only_and_catches_corruption(monkeypatch):
         cache.check(table, more, len(more))
     with pytest.raises(InvariantViolation, match="page tables"):
         cache.check(table, more + [1, 2, 3, 4], len(more) + 4)
+
+
+def test_capture_copies_held_pages_and_clears_the_partial_tail_of_the_copy_only():
+    cache = make_cache(8)
+    tokens = list(range(1, 11))  # 2 full pages of 4 and a partial one of 2
+    table = run_sequence(cache, tokens)
+    for n, page in enumerate(table.pages[0]):
+        cache.storage.page(page).copy_(torch.arange(cache.page_bytes, dtype=torch.int32).add(n).to(torch.uint8))
+    pool = cache.storage.data.clone()
+    full_page, partial = table.pages[0][0], table.pages[0][2]
+    image = cache.capture(table, tokens, len(tokens), {(0, 0): full_page})
+    assert set(image.blocks) == {(0, 1), (0, 2)}  # the known full page is not copied again
+    assert torch.equal(image.blocks[(0, 1)], pool[table.pages[0][1]])
+    expected = pool[partial].clone()
+    cache.storage.codec.clear_from(expected, len(tokens) % PS)
+    assert torch.equal(image.blocks[(0, 2)], expected) and not torch.equal(expected, pool[partial])
+    assert torch.equal(cache.storage.data, pool)  # the pool itself is untouched

@@ -24,6 +24,7 @@ from kiln.server.service import RuntimeService
 from kiln.snapshots.manifest import Manifest, session_snapshot_id
 from tests.server.conftest import free_port
 from tests.server.webdriver_bidi import BidiSession, Tab, firefox, firefox_executable
+from tests.snapshots.synthetic import blob_place
 
 ADMIN_KEYS = """
 [keys.alice]
@@ -108,9 +109,9 @@ def test_polls_share_one_reading(tiny_llm, monkeypatch):
 
 def _stored_bytes(root: Path, snapshot_id: str) -> int:
     """A snapshot's size as the dashboard defines it, measured on disk: its manifest file plus the blob
-    files it references."""
+    blobs it references (their lengths in the packs' indexes, read from the files)."""
     manifest = Manifest.from_json((root / "manifests" / f"{snapshot_id}.json").read_bytes(), snapshot_id)
-    blobs = sum((root / "blobs" / digest[:2] / f"{digest}.zst").stat().st_size for digest in manifest.digests())
+    blobs = sum(blob_place(root, digest)[1].length for digest in manifest.digests())
     return (root / "manifests" / f"{snapshot_id}.json").stat().st_size + blobs
 
 

@@ -3,7 +3,9 @@ Imports only kiln.snapshots, so a writer subprocess starts in a fraction of a se
 
 from __future__ import annotations
 
-from kiln.snapshots import blobs
+from pathlib import Path
+
+from kiln.snapshots import blobs, packs
 from kiln.snapshots.manifest import GroupPages, KVShape, Manifest
 
 PAGE_BYTES = 256
@@ -14,14 +16,42 @@ def shape() -> KVShape:
                    layout_version=1, page_size=16, slots=1, num_kv_heads=1, head_dim=2, page_bytes=PAGE_BYTES)
 
 
-def synthetic(snapshot_id: str, pages: list[bytes], owner: str = "sha256:0") -> tuple[Manifest, dict[str, bytes]]:
-    """A manifest over raw pages, and their compressed blobs."""
+def synthetic(snapshot_id: str, pages: list[bytes], owner: str = "sha256:0",
+              codec: str = blobs.CODEC_ZSTD) -> tuple[Manifest, dict[str, blobs.Blob]]:
+    """A manifest over raw pages, and their blobs in `codec`."""
     digests = [blobs.digest(page) for page in pages]
     manifest = Manifest(snapshot_id=snapshot_id, kind="checkpoint", owner=owner, session_id="s", created_at=1.0,
                         ttl_s=60.0, policy="full", shape=shape(), token_ids=tuple(range(16 * len(pages))),
-                        num_computed=16 * len(pages), groups=(GroupPages((0,), None, tuple(digests)),))
-    return manifest, {d: blobs.compress(page) for d, page in zip(digests, pages, strict=True)}
+                        num_computed=16 * len(pages), groups=(GroupPages((0,), None, tuple(digests)),), codec=codec)
+    return manifest, {d: blobs.encode(page, codec) for d, page in zip(digests, pages, strict=True)}
 
 
 def page(seed: int) -> bytes:
     return bytes((seed * 31 + i) % 251 for i in range(PAGE_BYTES))
+
+
+def stored_digests(root: Path) -> list[str]:
+    """Every blob a directory store holds, by digest (a digest twice if two packs hold it)."""
+    return [digest for path in sorted((root / "packs").glob("*.pack")) for digest in _pack_index(path)]
+
+
+def blob_place(root: Path, digest: str) -> tuple[Path, packs.Entry]:
+    """The pack of a directory store that holds a blob, and where in it."""
+    for path in sorted((root / "packs").glob("*.pack")):
+        index = _pack_index(path)
+        if digest in index:
+            return path, index[digest]
+    raise AssertionError(f"no pack in {root} holds {digest}")
+
+
+def flip_blob_byte(root: Path, digest: str) -> None:
+    """Corrupt one byte in the middle of a stored blob (its pack's index stays intact)."""
+    path, entry = blob_place(root, digest)
+    data = bytearray(path.read_bytes())
+    data[entry.offset + entry.length // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _pack_index(path: Path) -> dict[str, packs.Entry]:
+    with open(path, "rb") as file:
+        return packs.read_index(file, path.stat().st_size, path.name)

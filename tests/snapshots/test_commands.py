@@ -7,7 +7,10 @@ import json
 import tarfile
 from pathlib import Path
 
+import pytest
+
 from kiln.cli import main
+from kiln.snapshots import blobs
 from kiln.snapshots.local import DirectoryStore
 from kiln.snapshots.store import default_directory
 from tests.snapshots.synthetic import page, synthetic
@@ -19,11 +22,12 @@ def run(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_list_inspect_export_import_gc(tmp_path, capsys):
+@pytest.mark.parametrize("codec", blobs.CODECS)
+def test_list_inspect_export_import_gc(tmp_path, capsys, codec):
     source = tmp_path / "a"
     store = DirectoryStore(source)
-    store.save(*synthetic("snap-one", [page(1), page(2)]))
-    store.save(*synthetic("snap-two", [page(2), page(3)]))
+    store.save(*synthetic("snap-one", [page(1), page(2)], codec=codec))
+    store.save(*synthetic("snap-two", [page(2), page(3)], codec=codec))
     code, out, _ = run(capsys, "--snapshot-dir", str(source), "list")
     assert code == 0 and "snap-one" in out and "snap-two" in out
     code, out, _ = run(capsys, "--snapshot-dir", str(source), "inspect", "snap-one")
@@ -36,6 +40,8 @@ def test_list_inspect_export_import_gc(tmp_path, capsys):
     code, out, _ = run(capsys, "--snapshot-dir", str(target), "import", str(exported))
     assert code == 0 and "2 new blobs" in out
     assert DirectoryStore(target).get_manifest("snap-one") == store.get_manifest("snap-one")
+    imported = DirectoryStore(target).get_blobs(blobs.digest(p) for p in (page(1), page(2)))
+    assert {bytes(blobs.decode(blob, digest, len(page(1)))) for digest, blob in imported.items()} == {page(1), page(2)}
 
     store.delete_manifest("snap-two")
     code, out, _ = run(capsys, "--snapshot-dir", str(source), "gc")

@@ -47,7 +47,7 @@ def check_store(root: Path) -> int:
         for digest in manifest.digests():
             blob = store.get_blob(digest)
             assert blob is not None, f"{snapshot_id} lists a missing blob"
-            blobs.decompress(blob, digest, PAGE_BYTES)
+            blobs.decode(blob, digest, PAGE_BYTES)
     return len(ids)
 
 

@@ -20,6 +20,7 @@ from kiln.snapshots.persistence import Backoff
 from kiln.snapshots.store import open_store
 from tests.conftest import outcome_within
 from tests.snapshots.hooks import WAIT_S, Call, Gate, HeldStream, on_thread, wait_for
+from tests.snapshots.synthetic import blob_place
 
 GREEDY = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 
@@ -173,7 +174,7 @@ def test_a_blob_lost_behind_the_savers_back_is_written_again(tiny_llm, tmp_path)
     assert llm.persistence.flush(WAIT_S)
     manifest = llm.persistence.store.get_manifest(session_snapshot_id(session.id))
     lost = manifest.groups[0].pages[0]  # a full page: later saves name it by digest only
-    (tmp_path / "blobs" / lost[:2] / f"{lost}.zst").unlink()
+    blob_place(tmp_path, lost)[0].unlink()  # its pack: every page the first save wrote
     session.append(prompt(3, seed=1))
     turn(session)
     assert llm.persistence.flush(WAIT_S)

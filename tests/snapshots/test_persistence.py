@@ -21,6 +21,7 @@ from kiln.snapshots.local import DirectoryStore
 from kiln.snapshots.manifest import session_snapshot_id
 from kiln.snapshots.store import open_store
 from tests.snapshots.conftest import RedisProcess
+from tests.snapshots.synthetic import blob_place, flip_blob_byte, stored_digests
 
 ARCHS = ["llama", "gemma3"]  # gemma3: window groups release pages (null in the manifest)
 GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -126,8 +127,8 @@ def test_a_turn_writes_only_its_new_pages(tiny_llm, tmp_path):
     assert llm.persistence.stats.dedup_bytes >= (300 // 16) * llm.engine.kv_page_bytes
 
 
-def _blobs(root: Path) -> set[str]:
-    return {p.name for p in (root / "blobs").glob("*/*.zst")}
+def _blobs(root: Path) -> list[str]:
+    return stored_digests(root)
 
 
 def test_sessions_come_back_after_a_restart_with_id_owner_and_history(tiny_llm, tmp_path):
@@ -247,20 +248,12 @@ def test_bad_ids_and_snapshots_off(tiny_llm, tmp_path):
         tiny_llm("llama", snapshot_dir=str(tmp_path), snapshot_store="redis://127.0.0.1:1/0")
 
 
-def _corrupt_one_blob(root: Path, manifest) -> None:
-    digest = sorted(manifest.digests())[0]
-    path = root / "blobs" / digest[:2] / f"{digest}.zst"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
-
-
 def test_a_corrupt_blob_is_refused_and_nothing_is_loaded(tiny_llm, tmp_path):
     llm = tiny_llm("llama", snapshot_dir=str(tmp_path))
     session = llm.create_session(prompt(60))
     generated(session, max_tokens=2)
     snapshot_id = session.snapshot()
-    _corrupt_one_blob(tmp_path, llm.persistence.store.get_manifest(snapshot_id))
+    flip_blob_byte(tmp_path, sorted(llm.persistence.store.get_manifest(snapshot_id).digests())[0])
     other = tiny_llm("llama", snapshot_dir=str(tmp_path))
     used = other.engine.kv_usage().used
     with pytest.raises(FailedPreconditionError, match="corrupt|digest"):
@@ -276,8 +269,8 @@ def test_a_truncated_blob_is_refused(tiny_llm, tmp_path):
     generated(session, max_tokens=2)
     snapshot_id = session.snapshot()
     digest = sorted(llm.persistence.store.get_manifest(snapshot_id).digests())[0]
-    path = tmp_path / "blobs" / digest[:2] / f"{digest}.zst"
-    path.write_bytes(path.read_bytes()[:100])
+    path, entry = blob_place(tmp_path, digest)
+    path.write_bytes(path.read_bytes()[: entry.offset + 100])
     with pytest.raises(FailedPreconditionError):
         llm.restore_session(snapshot_id)
 
@@ -320,7 +313,7 @@ def test_gc_keeps_referenced_blobs_only(tiny_llm, tmp_path):
     report = store.gc()
     assert report.blobs_deleted > 0
     assert not store.missing(store.get_manifest(kept).digests())
-    assert _blobs(tmp_path) == {f"{d}.zst" for d in store.get_manifest(kept).digests()}
+    assert set(_blobs(tmp_path)) == store.get_manifest(kept).digests()
     assert llm.restore_session(kept).tokens[:100] == prompt(100)
 
 
@@ -331,10 +324,10 @@ def test_a_full_disk_fails_the_save_not_the_session(tiny_llm, tmp_path, monkeypa
     earlier = session.snapshot()
     history = session.tokens
 
-    def full(*args: object) -> None:
+    def full(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(DirectoryStore, "_write_blob", full)
+    monkeypatch.setattr(DirectoryStore, "_write_pack", full)
     session.append(prompt(20, seed=3))
     more = generated(session, max_tokens=2)  # new pages: the background save of this turn fails too
     llm.persistence.flush()

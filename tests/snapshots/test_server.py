@@ -16,6 +16,7 @@ import pytest
 from kiln.client import AsyncClient, Client, FailedPreconditionError, NotFoundError
 from kiln.snapshots.manifest import session_snapshot_id
 from tests.server.conftest import start_server, tiny_model_dir
+from tests.snapshots.synthetic import flip_blob_byte
 from tests.tiny_models import TINY_CONFIGS
 
 N = 8
@@ -135,10 +136,7 @@ def test_checkpoints_over_grpc_and_rest_are_scoped_and_verified(model, tmp_path)
         assert http.get("/v1/snapshots/..%2F..%2Fetc").status_code in (400, 404)
 
         digest = sorted(_manifest(tmp_path, snapshot_id).digests())[0]
-        blob = tmp_path / "blobs" / digest[:2] / f"{digest}.zst"
-        data = bytearray(blob.read_bytes())
-        data[len(data) // 2] ^= 0x10
-        blob.write_bytes(bytes(data))
+        flip_blob_byte(tmp_path, digest)
         with pytest.raises(FailedPreconditionError, match="corrupt|digest"):
             a.restore_session(snapshot_id)
         assert tokens(a.create_session(PROMPT[:10]), **GREEDY)  # the server keeps serving

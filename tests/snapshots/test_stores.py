@@ -38,7 +38,7 @@ def test_save_dedups_and_round_trips(store_target):
     assert [m.snapshot_id for m in store.manifests("sha256:0")] == ["snap-a", "snap-b"]
     assert store.delete_manifest("snap-c") and store.manifests("sha256:1") == []
     digest = blobs.digest(page(3))
-    assert blobs.decompress(store.get_blob(digest), digest, PAGE_BYTES) == page(3)
+    assert blobs.decode(store.get_blob(digest), digest, PAGE_BYTES) == page(3)
     assert store.missing([digest, "0" * 64]) == {"0" * 64}
     assert store.blob_sizes([digest, "0" * 64]) == {digest: len(second_blobs[digest])}  # absent: left out
     store.close()
@@ -71,11 +71,11 @@ def test_decompress_refuses_corrupt_truncated_and_mismatched_blobs():
     digest = blobs.digest(raw)
     for bad in (blob[:-3], blob[:5] + bytes([blob[5] ^ 1]) + blob[6:]):
         with pytest.raises(FailedPreconditionError):
-            blobs.decompress(bad, digest, PAGE_BYTES)
+            blobs.decode(bad, digest, PAGE_BYTES)
     with pytest.raises(FailedPreconditionError, match="digest"):
-        blobs.decompress(blobs.compress(page(8)), digest, PAGE_BYTES)
+        blobs.decode(blobs.compress(page(8)), digest, PAGE_BYTES)
     with pytest.raises(FailedPreconditionError, match="bytes"):
-        blobs.decompress(blob, digest, PAGE_BYTES * 2)
+        blobs.decode(blob, digest, PAGE_BYTES * 2)
 
 
 def test_store_urls():
@@ -94,7 +94,7 @@ def test_a_full_disk_is_resource_exhausted_and_keeps_the_previous_snapshot(tmp_p
     def full(*args: object, **kwargs: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(DirectoryStore, "_write_file", full)
+    monkeypatch.setattr(DirectoryStore, "_stage", full)  # the manifest cannot be written
     with pytest.raises(ResourceExhaustedError, match="full"):
         store.save(newer, newer_blobs)
     monkeypatch.undo()
