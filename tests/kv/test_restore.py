@@ -181,3 +181,20 @@ def test_sink_window_keeps_exactly_the_documented_pages(tmp_path):
         assert harness.global_resident(seq) == [expected], step
         assert len(expected) <= policy.resident_limit(PS)
     assert not any(seq.table.tiered) and sum(harness.tiers.usage().pages.values()) == 0
+
+
+@pytest.mark.parametrize("codec", ["none", "int8", "int4"])
+def test_the_kernel_and_pytorch_paths_agree_on_tier_pages(codec, tmp_path):
+    """Steps that attend in place merge pool, host-tier and disk-tier pages in the kernel; the others (and
+    every step without the kernels) stream chunks through PyTorch: the same logits, in every codec."""
+    history = tokens(160, seed=8)
+    chunks = [100, 30] + [1] * 30  # a step too long to attend in place, then in-place steps
+    kernel = Harness("gemma3", tmp_path, codec=codec)
+    if not kernel.runner.kernel_attention:
+        pytest.skip("Kiln's CPU kernels are unavailable here: only the PyTorch path runs")
+    got = kernel.feed(kernel.admit(history, RESTORE), chunks)
+    usage = kernel.tiers.usage()
+    assert usage.pages["host"] > 0 and usage.pages["disk"] > 0
+    pytorch = Harness("gemma3", tmp_path, codec=codec)
+    pytorch.runner.kernel_attention = False
+    assert_close(got, pytorch.feed(pytorch.admit(history, RESTORE), chunks))
