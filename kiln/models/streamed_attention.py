@@ -7,13 +7,13 @@ their window and attend as usual). Two paths, the same result up to float roundi
 `tiered_attention`, where the C++ kernels run and the step attends in place (decode, speculative
 verification, short appends): every part of the keys is attended where it lies, by the kernel's merging
 calls (kernels/attention.cpp), into one online-softmax state per query row: the pool's pages of every
-sequence, then each sequence's host-tier pages (read in place from the host tier's pool), then its disk-tier
-pages, `KVStep.stream_pages` at a time, read into a staging buffer. Nothing is gathered or decoded ahead,
-so a `restore` sequence's step costs what a `full` one's does, plus the disk reads; its transient memory is
-the state, the kernel's partial states and one staging chunk.
+sequence, then each sequence's tier pages as `KVStep.tier_runs` plans them (host-tier pages read in place
+from the host tier's pool; a chunk holding disk pages copied into a staging buffer first). Nothing is
+gathered or decoded ahead, so a `restore` sequence's step costs about what a `full` one's does, plus any
+disk reads; its transient memory is the state, the kernel's partial states and one staging chunk.
 
-`streamed_attention`, otherwise (the PyTorch path, and steps with many rows: a prefill's chunk, where
-matrix products beat the kernel's per-row walk). Per sequence, its keys are visited in chunks of `KVStep.stream_pages`
+`streamed_attention`, otherwise (no kernels; steps with more than IN_PLACE_MAX_ROWS rows, which attend by
+matrix products under `full` too). Per sequence, its keys are visited in chunks of `KVStep.stream_pages`
 pages (resident pages gathered from the pool, tier pages read from their tier, both decoded by the codec
 into float32 buffers, a chunk at once) and the partial results are merged with the online softmax
 (running max, running sum, rescaled accumulator: FlashAttention's recurrence). The transient memory of a
@@ -109,37 +109,22 @@ def tiered_attention(q: torch.Tensor, layer: int, kv: KVStep, scale: float) -> t
     step = _Rows(query, kv.row_seq, kv.row_pos, window or 0, scale,
                  torch.zeros_like(query), torch.full(query.shape[:2], float("-inf")), torch.zeros(query.shape[:2]))
     step.merge((k, v), group.block_table, group.first_pos)
-    tiers, staged, row = kv.tiers, 0, 0
-    for s in kv.slices:
+    staged, row = 0, 0
+    for s, runs in zip(kv.slices, kv.tier_runs(g), strict=True):
         rows = step.part(row, s.num_tokens)
         row += s.num_tokens
-        for chunk in _tier_chunks(s.tiered[g], kv.stream_pages):
-            places = tiers.locate([key for _, key in chunk])  # type: ignore[union-attr]
-            indices = [index for index, _ in chunk]
-            if all(tier == "host" for tier, _ in places):  # attended where they lie
-                rows.merge_pages(tiers.host_segments(slot), indices, [where for _, where in places], kv.layout.page_size)  # type: ignore[union-attr]
+        for run in runs:
+            if run.host_slots is not None:  # attended where they lie
+                rows.merge(kv.tiers.host_segments(slot), run.host_slots, run.first_pos)  # type: ignore[union-attr]
                 continue
-            codec = tiers.codec  # type: ignore[union-attr]
-            buffer = kv.workspace.take((len(chunk), codec.page_nbytes), torch.empty(0, dtype=torch.uint8))[0]
-            tiers.copy(places, buffer)  # type: ignore[union-attr]
-            segments = (codec.segment(buffer, 0, slot), codec.segment(buffer, 1, slot))
-            rows.merge_pages(segments, indices, list(range(len(chunk))), kv.layout.page_size)
+            codec = kv.tiers.codec  # type: ignore[union-attr]
+            buffer = kv.workspace.take((len(run.places), codec.page_nbytes), torch.empty(0, dtype=torch.uint8))[0]
+            kv.tiers.copy(run.places, buffer)  # type: ignore[union-attr]
+            rows.merge((codec.segment(buffer, 0, slot), codec.segment(buffer, 1, slot)), torch.arange(len(run.places))[None], run.first_pos)
             staged = max(staged, buffer.numel())
     chunks = kv.last_position // CHUNK_TOKENS + 1  # the kernel keeps a partial state per row per chunk at most
     kv.note_bytes(query.numel() * 4 * (chunks + 1) + 2 * step.top.numel() * 4 + staged)
     return (step.acc / step.total.unsqueeze(-1)).to(q.dtype)
-
-
-def _tier_chunks(tiered: list[tuple[int, Hashable]], size: int) -> list[list[tuple[int, Hashable]]]:
-    """A sequence's tier pages (page index, key) cut at page indices that are multiples of `size`: each chunk
-    is one merging call, so a result depends on which pages are resident, never on which tier holds the
-    others (a page moving from host to disk changes no bits; a fork equals its parent)."""
-    chunks: list[list[tuple[int, Hashable]]] = []
-    for index, key in tiered:
-        if not chunks or chunks[-1][0][0] // size != index // size:
-            chunks.append([])
-        chunks[-1].append((index, key))
-    return chunks
 
 
 @dataclass
@@ -161,11 +146,6 @@ class _Rows:
         rows = slice(start, start + count)
         return _Rows(self.query[rows], self.seq.new_zeros(count), self.pos[rows], self.window, self.scale,
                      self.acc[rows], self.top[rows], self.total[rows])
-
-    def merge_pages(self, segments: tuple[Segment, Segment], indices: list[int], pages: list[int], page_size: int) -> None:
-        """Merge in one sequence's pages `pages` of `segments`, whose indices in the sequence are `indices`
-        (ascending)."""
-        self.merge(segments, torch.tensor([pages]), torch.tensor([[index * page_size for index in indices]]))
 
     def merge(self, segments: tuple[Segment, Segment], table: torch.Tensor, first: torch.Tensor) -> None:
         """Merge in the pages of `segments` (raw or coded) each row's sequence lists in `table` (first_pos `first`)."""
