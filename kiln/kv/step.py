@@ -110,9 +110,9 @@ class Workspace:
 class KVStep:
     """`streams(layer)`: some sequence reads that layer's pages from a tier (or is a `restore` sequence
     and the layer global), so the layer takes the streamed path (kiln/models/streamed_attention.py),
-    `stream_pages` pages at a time, reading them from `tiers`; sliding-window layers, bounded by their
-    window, attend as usual. `peak_bytes` is the largest transient attention buffer set one layer of
-    this step held (bytes), accounted by whichever attention path ran."""
+    reading tier pages from `tiers` (in place from host memory, or `stream_pages` at a time);
+    sliding-window layers, bounded by their window, attend as usual. `peak_bytes` is the largest transient
+    attention buffer set one layer of this step held (bytes), accounted by whichever attention path ran."""
 
     def __init__(
         self, storage: PageStorage, slices: list[KVSlice], workspace: Workspace | None = None,

@@ -108,7 +108,8 @@ class PageTiers:
         self._capacity = {"host": host_budget_bytes // codec.page_nbytes, "disk": 0}
         self._host = zeroed_pool(self._capacity["host"], codec.page_nbytes, torch.device("cpu"))
         self._free_host = list(range(self._capacity["host"] - 1, -1, -1))
-        self._host_segments = [(codec.segment(self._host, 0, s), codec.segment(self._host, 1, s)) for s in range(codec.layout.slots)]
+        self._host_segments = [(codec.segment(self._host, 0, s), codec.segment(self._host, 1, s))
+                               for s in range(codec.layout.slots)]
         self._entries: dict[Hashable, _Entry] = {}
         self._lru: dict[str, OrderedDict[Hashable, None]] = {tier: OrderedDict() for tier in TIERS}
         self._disk: DiskSlots | None = None

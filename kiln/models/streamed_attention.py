@@ -120,7 +120,8 @@ def tiered_attention(q: torch.Tensor, layer: int, kv: KVStep, scale: float) -> t
             codec = kv.tiers.codec  # type: ignore[union-attr]
             buffer = kv.workspace.take((len(run.places), codec.page_nbytes), torch.empty(0, dtype=torch.uint8))[0]
             kv.tiers.copy(run.places, buffer)  # type: ignore[union-attr]
-            rows.merge((codec.segment(buffer, 0, slot), codec.segment(buffer, 1, slot)), torch.arange(len(run.places))[None], run.first_pos)
+            staging = (codec.segment(buffer, 0, slot), codec.segment(buffer, 1, slot))
+            rows.merge(staging, torch.arange(len(run.places))[None], run.first_pos)
             staged = max(staged, buffer.numel())
     chunks = kv.last_position // CHUNK_TOKENS + 1  # the kernel keeps a partial state per row per chunk at most
     kv.note_bytes(query.numel() * 4 * (chunks + 1) + 2 * step.top.numel() * 4 + staged)

@@ -45,7 +45,8 @@ def test_host_pages_are_read_in_place_and_located_with_disk_ones(tmp_path):
     places = tiers.locate([0, 1, 2])
     assert [tier for tier, _ in places] == ["disk", "host", "host"]
     k, v = tiers.host_segments(0)
-    assert all(k.codes[slot].eq(key).all() and v.codes[slot].eq(key).all() for (_, slot), key in zip(places[1:], [1, 2], strict=True))
+    for (_, slot), key in zip(places[1:], [1, 2], strict=True):
+        assert k.codes[slot].eq(key).all() and v.codes[slot].eq(key).all()
     staged = torch.empty(3, SIZE, dtype=torch.uint8)
     tiers.copy(places, staged)
     assert all(torch.equal(staged[key], block(key)) for key in range(3))
