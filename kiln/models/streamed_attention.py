@@ -118,7 +118,7 @@ def tiered_attention(q: torch.Tensor, layer: int, kv: KVStep, scale: float) -> t
                 rows.merge(kv.tiers.host_segments(slot), run.host_slots, run.first_pos)  # type: ignore[union-attr]
                 continue
             codec = kv.tiers.codec  # type: ignore[union-attr]
-            buffer = kv.workspace.take((len(run.places), codec.page_nbytes), torch.empty(0, dtype=torch.uint8))[0]
+            buffer = torch.empty((len(run.places), codec.page_nbytes), dtype=torch.uint8)  # disk reads dwarf allocating it
             kv.tiers.copy(run.places, buffer)  # type: ignore[union-attr]
             staging = (codec.segment(buffer, 0, slot), codec.segment(buffer, 1, slot))
             rows.merge(staging, torch.arange(len(run.places))[None], run.first_pos)
