@@ -15,6 +15,12 @@ runner's forward, split into `attention` (every layer's paged attention call, K/
 step's inputs from the page tables, `step_other` the rest of the engine step (scheduling, committing
 pages, emitting), `bookkeeping` the step less forward and sampling, `outside_step` the rest of the turn (session append, submit, the hand-off between
 threads, the invariant check after the turn: `check` is that check alone).
+
+Against the bandwidth limit: the history-dependent part of a turn at each length is its median latency
+less the shortest length's; beside it, the time to read the K/V that extra history adds to a step once
+(global groups every token, sliding-window groups up to their window; the pool's bytes per token) at the
+machine's read bandwidth (bench/common.py read_bandwidth_gb_s). Their ratio is how far the step's growth
+is from the limit (issue 28 goal 3: within 2x).
 """
 
 from __future__ import annotations
@@ -149,6 +155,27 @@ def build(llm: Any, bos: int, length: int, seed: int) -> tuple[Any, float]:
     return session, time.perf_counter() - start
 
 
+def kv_bytes_read(llm: Any, history: int) -> int:
+    """Bytes of K/V one step at `history` tokens reads once: every group's pages its keys lie in (global
+    groups the whole history, sliding-window groups their window), in the pool's encoding."""
+    layout = llm.engine.kv_layout
+    per_group = llm.engine.kv_bytes_per_token / layout.num_groups
+    return int(sum(per_group * (history if group.window is None else min(history, group.window)) for group in layout.groups))
+
+
+def history_dependence(results: dict[str, Any], notes: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """Per length past the first: the turn's median less the first length's, and the time to read the
+    K/V the extra history adds once at the measured bandwidth (ms), and their ratio."""
+    lengths = list(results)
+    first, bandwidth = lengths[0], notes["read_bandwidth_gb_s"] * 1e9
+    out = {}
+    for length in lengths[1:]:
+        extra_ms = results[length]["median_ms"]["latency_ms"] - results[first]["median_ms"]["latency_ms"]
+        read_ms = 1000 * (notes["kv_bytes_read"][length] - notes["kv_bytes_read"][first]) / bandwidth
+        out[length] = {"history_dependent_ms": extra_ms, "kv_read_ms": read_ms, "ratio": common.ratio(extra_ms, read_ms)}
+    return out
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=common.ints, default=[1000, 6000, 13000], help="history lengths, tokens")
@@ -183,7 +210,9 @@ def main() -> None:
                     rows[length].append(row)
         cpu_share = (time.process_time() - cpu_start) / ((time.perf_counter() - wall_start) * common.THREADS)
         notes = {"cpu_share_of_threads": cpu_share, "engine_config": asdict(llm.config),
-                 "probes_wrapped": probe.wrapped, "probes_missing": probe.missing}
+                 "probes_wrapped": probe.wrapped, "probes_missing": probe.missing,
+                 "read_bandwidth_gb_s": common.read_bandwidth_gb_s(),
+                 "kv_bytes_read": {str(length): kv_bytes_read(llm, length) for length in args.lengths}}
     finally:
         llm.close()
     results = {str(length): {"build_s": built[length][1], "median_ms": medians(rows[length]), "turns": rows[length]}
@@ -214,6 +243,7 @@ def report(args: argparse.Namespace, machine: dict[str, Any], results: dict[str,
             "last_over_first": common.ratio(results[last]["median_ms"]["latency_ms"], results[first]["median_ms"]["latency_ms"]),
             "last_over_first_forward": common.ratio(results[last]["median_ms"].get("forward_ms"),
                                                     results[first]["median_ms"].get("forward_ms")),
+            "history_dependence": history_dependence(results, notes),
         },
         "notes": notes,
         "lengths": results,
@@ -228,6 +258,11 @@ def report(args: argparse.Namespace, machine: dict[str, Any], results: dict[str,
                             "One-token turn on a long session: where the time goes")
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     print(f"median turn ms {payload['summary']['median_turn_ms']}, {last}/{first} = {payload['summary']['last_over_first']:.3f}")
+    print(f"history-dependent part of a turn (its median less the {first}-token one's) against reading that history's K/V "
+          f"once at {notes['read_bandwidth_gb_s']:.1f} GB/s:")
+    for length, entry in payload["summary"]["history_dependence"].items():
+        ratio = "n/a" if entry["ratio"] is None else f"{entry['ratio']:.2f}x"
+        print(f"  {length} tokens: {entry['history_dependent_ms']:.2f} ms against {entry['kv_read_ms']:.2f} ms ({ratio})")
 
 
 if __name__ == "__main__":

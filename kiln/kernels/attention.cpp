@@ -43,6 +43,14 @@
 // as they are loaded. Widening is exact, so the result is bit-identical to paged_attention on float32 pages
 // holding the same values, and batch-invariant the same way. Why: decode attention streams every visible
 // key and value once a step, so half the bytes is most of half the time (bench/README.md, agents).
+//
+// Merging calls (paged_attention_merge, paged_attention_coded_merge) return no output: they continue a
+// caller's online-softmax state (acc [N, H, D] the weighted values, top [N, H] the running max, total [N, H]
+// the running sum; start from 0, -inf, 0), merging this call's keys into it, and the caller divides acc by
+// total after the last call. Why: a `restore` sequence's keys lie partly in the pool and partly in a tier
+// (kiln/models/streamed_attention.py); each part is attended where it lies, by the same arithmetic, and no
+// part is copied or gathered. A row need not see any key of a merging call's pages (its state is then left
+// as it was), so the check that a row's own position is covered applies to the plain calls only.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -136,6 +144,11 @@ struct Task {
 struct Partial {
   float max[kMaxGroup], total[kMaxGroup];
   float* acc;  // [group, D]
+};
+
+// A merging call's state (null pointers: a plain call, which writes its output instead).
+struct State {
+  float *acc, *top, *total;
 };
 
 // One (page, KV head)'s keys and values, float32 or float16: slot s's at k + s * stride and v + s * stride.
@@ -314,6 +327,24 @@ struct Problem {
     }
   }
 
+  // Row `row`'s state of KV head `kvh`: a merging call's (copied in), else a fresh one.
+  void begin(Partial& part, const State& state, int64_t row, int64_t kvh) const {
+    if (!state.acc) return start(part);
+    const int64_t at = row * H + kvh * group;
+    std::copy(state.top + at, state.top + at + group, part.max);
+    std::copy(state.total + at, state.total + at + group, part.total);
+    std::copy(state.acc + at * D, state.acc + (at + group) * D, part.acc);
+  }
+
+  // The row's merged state back to a merging call's state, else its output to `out` ([N, H, D]).
+  void end(const Partial& part, const State& state, float* out, int64_t row, int64_t kvh) const {
+    const int64_t at = row * H + kvh * group;
+    if (!state.acc) return finish(part, out + at * D);
+    std::copy(part.max, part.max + group, state.top + at);
+    std::copy(part.total, part.total + group, state.total + at);
+    std::copy(part.acc, part.acc + group * D, state.acc + at * D);
+  }
+
   // Blocks of consecutive rows of one sequence, at most kRowBlock each: [block_rows[i], block_rows[i + 1]).
   std::vector<int64_t> blocks(int64_t N) const {
     std::vector<int64_t> out{0};
@@ -378,9 +409,10 @@ struct Indices {
 // Everything the kernel indexes memory with is checked: block_table [B, W] page ids within the pool,
 // first_pos [B, W] (the same shape) non-negative and ascending along each sequence's row, row_seq / row_pos
 // [N] one per query row, each row's sequence within the table and its position covered by one of that
-// sequence's pages (the row's own key, stored before attention reads it).
+// sequence's pages (the row's own key, stored before attention reads it; `own_key` false: merging calls,
+// whose pages may hold none of a row's keys, check only that positions are non-negative).
 Indices check_indices(const torch::Tensor& block_table, const torch::Tensor& first_pos, const torch::Tensor& row_seq,
-                      const torch::Tensor& row_pos, int64_t N, int64_t pages, int64_t page_size) {
+                      const torch::Tensor& row_pos, int64_t N, int64_t pages, int64_t page_size, bool own_key) {
   Indices in{kiln::index_tensor(block_table, "block_table", 2), kiln::index_tensor(first_pos, "first_pos", 2),
              kiln::index_tensor(row_seq, "row_seq", 1), kiln::index_tensor(row_pos, "row_pos", 1)};
   const int64_t B = in.table.size(0), W = in.table.size(1);
@@ -396,22 +428,25 @@ Indices check_indices(const torch::Tensor& block_table, const torch::Tensor& fir
                 ": positions must be non-negative and ascending along a sequence's pages");
   const int64_t *seq_of = in.seq_of.data_ptr<int64_t>(), *pos_of = in.pos_of.data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(pos_of[n] >= 0, "row ", n, " at position ", pos_of[n], ": positions must be non-negative");
+    if (!own_key) continue;
     const int64_t* starts = first + seq_of[n] * W;
     const int64_t* page = std::upper_bound(starts, starts + W, pos_of[n]);  // just past the page holding the position
-    TORCH_CHECK(pos_of[n] >= 0 && page != starts && pos_of[n] - page[-1] < page_size, "row ", n, " at position ", pos_of[n],
+    TORCH_CHECK(page != starts && pos_of[n] - page[-1] < page_size, "row ", n, " at position ", pos_of[n],
                 " of sequence ", seq_of[n], ": no page of the block table holds that position");
   }
   return in;
 }
 
-// Runs the problem over every row of q (the pages' checks done).
+// Runs the problem over every row of q (the pages' checks done): a plain call returns the output; a merging
+// call (state's pointers set, checked by check_state) merges into the state and returns an undefined tensor.
 template <class Pages>
 torch::Tensor attend(const Pages& pages, const torch::Tensor& q, const torch::Tensor& block_table, const torch::Tensor& first_pos,
                      const torch::Tensor& row_seq, const torch::Tensor& row_pos, int64_t num_pages, int64_t page_size,
-                     int64_t kv_heads, int64_t window, double scale) {
-  const Indices in = check_indices(block_table, first_pos, row_seq, row_pos, q.size(0), num_pages, page_size);
+                     int64_t kv_heads, int64_t window, double scale, const State& state) {
+  const Indices in = check_indices(block_table, first_pos, row_seq, row_pos, q.size(0), num_pages, page_size, !state.acc);
   const torch::Tensor &table = in.table, &first = in.first, &seq_of = in.seq_of, &pos_of = in.pos_of;
-  auto out = torch::empty_like(q);
+  auto out = state.acc ? torch::Tensor() : torch::empty_like(q);
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), group = H / kv_heads;
   const Problem<Pages> problem{pages, q.data_ptr<float>(), table.data_ptr<int64_t>(), first.data_ptr<int64_t>(),
                                seq_of.data_ptr<int64_t>(), pos_of.data_ptr<int64_t>(), H, D, group, kv_heads, page_size,
@@ -423,7 +458,7 @@ torch::Tensor attend(const Pages& pages, const torch::Tensor& q, const torch::Te
   for (int64_t t = T - 1; t >= 0; --t) first_task[tasks[t].block * kv_heads + tasks[t].kvh] = t;
   for (int64_t u = units - 1; u >= 0; --u) first_task[u] = std::min(first_task[u], first_task[u + 1]);
   const int64_t stride = group * D;  // one row's state (and output) for one KV head
-  float* op = out.data_ptr<float>();
+  float* op = state.acc ? nullptr : out.data_ptr<float>();
   if (units >= 2 * at::get_num_threads()) {  // enough blocks for every thread: each takes whole blocks
     kiln::SpinPool::run(units, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> buffers(2 * kRowBlock * stride), scratch(pages.scratch_floats());
@@ -431,12 +466,12 @@ torch::Tensor attend(const Pages& pages, const torch::Tensor& q, const torch::Te
       for (int64_t r = 0; r < kRowBlock; ++r) chunk[r].acc = &buffers[r * stride], merged[r].acc = &buffers[(kRowBlock + r) * stride];
       for (int64_t u = begin; u < end; ++u) {
         const int64_t row_begin = block_rows[u / kv_heads], rows = block_rows[u / kv_heads + 1] - row_begin, kvh = u % kv_heads;
-        for (int64_t r = 0; r < rows; ++r) problem.start(merged[r]);
+        for (int64_t r = 0; r < rows; ++r) problem.begin(merged[r], state, row_begin + r, kvh);
         for (int64_t t = first_task[u]; t < first_task[u + 1]; ++t) {
           problem.attend_chunk(tasks[t], row_begin, row_begin + rows, chunk, scratch.data());
           for (int64_t r = 0; r < rows; ++r) problem.merge(merged[r], chunk[r]);
         }
-        for (int64_t r = 0; r < rows; ++r) problem.finish(merged[r], op + ((row_begin + r) * kv_heads + kvh) * stride);
+        for (int64_t r = 0; r < rows; ++r) problem.end(merged[r], state, op, row_begin + r, kvh);
       }
     });
     return out;
@@ -457,19 +492,29 @@ torch::Tensor attend(const Pages& pages, const torch::Tensor& q, const torch::Te
   for (int64_t u = 0; u < units; ++u) {
     const int64_t row_begin = block_rows[u / kv_heads], rows = block_rows[u / kv_heads + 1] - row_begin, kvh = u % kv_heads;
     for (int64_t r = 0; r < rows; ++r) {
-      problem.start(merged);
+      problem.begin(merged, state, row_begin + r, kvh);
       for (int64_t t = first_task[u]; t < first_task[u + 1]; ++t) problem.merge(merged, parts[first_part[t] + r]);
-      problem.finish(merged, op + ((row_begin + r) * kv_heads + kvh) * stride);
+      problem.end(merged, state, op, row_begin + r, kvh);
     }
   }
   return out;
 }
 
-}  // namespace
+// A merging call's state, checked against q: acc float32 [N, H, D], top and total float32 [N, H], contiguous.
+State check_state(const torch::Tensor& q, torch::Tensor& acc, torch::Tensor& top, torch::Tensor& total) {
+  TORCH_CHECK(acc.device().is_cpu() && acc.scalar_type() == torch::kFloat32 && acc.is_contiguous() && acc.sizes() == q.sizes(),
+              "acc: a contiguous float32 CPU tensor of q's shape ", q.sizes(), ", got ", acc.sizes());
+  for (const torch::Tensor* t : {&top, &total})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 2 &&
+                t->size(0) == q.size(0) && t->size(1) == q.size(1),
+                "top, total: contiguous float32 CPU tensors [N, H] = [", q.size(0), ", ", q.size(1), "], got ", t->sizes());
+  return {acc.data_ptr<float>(), top.data_ptr<float>(), total.data_ptr<float>()};
+}
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor block_table,
-                              torch::Tensor first_pos, torch::Tensor row_seq, torch::Tensor row_pos, int64_t window,
-                              double scale) {
+// Raw pages (float32 or float16), checked; a plain call (state's pointers null) or a merging one.
+torch::Tensor attend_raw(const torch::Tensor& q, const torch::Tensor& k_pages, const torch::Tensor& v_pages,
+                         const torch::Tensor& block_table, const torch::Tensor& first_pos, const torch::Tensor& row_seq,
+                         const torch::Tensor& row_pos, int64_t window, double scale, const State& state) {
   const bool half = k_pages.scalar_type() == torch::kHalf;
   TORCH_CHECK(k_pages.device().is_cpu() && v_pages.device().is_cpu() && k_pages.dim() == 4 &&
               (half || k_pages.scalar_type() == torch::kFloat32) && v_pages.scalar_type() == k_pages.scalar_type() &&
@@ -480,10 +525,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Ten
   TORCH_CHECK(k_pages.stride(3) == 1 && k_pages.stride(2) == D && k_pages.stride(1) == kv_heads * D, "pages must be contiguous inside");
   if (half) {
     const RawPages<at::Half> pages{k_pages.data_ptr<at::Half>(), v_pages.data_ptr<at::Half>(), k_pages.stride(0), kv_heads, D};
-    return attend(pages, q, block_table, first_pos, row_seq, row_pos, k_pages.size(0), page_size, kv_heads, window, scale);
+    return attend(pages, q, block_table, first_pos, row_seq, row_pos, k_pages.size(0), page_size, kv_heads, window, scale, state);
   }
   const RawPages<float> pages{k_pages.data_ptr<float>(), v_pages.data_ptr<float>(), k_pages.stride(0), kv_heads, D};
-  return attend(pages, q, block_table, first_pos, row_seq, row_pos, k_pages.size(0), page_size, kv_heads, window, scale);
+  return attend(pages, q, block_table, first_pos, row_seq, row_pos, k_pages.size(0), page_size, kv_heads, window, scale, state);
 }
 
 // One side's codes, scales and zeros checked against the format its codes' dtype names.
@@ -508,14 +553,46 @@ CodedSide coded_side(const torch::Tensor& codes, const torch::Tensor& scales, co
           scales.stride(0), zeros.stride(0), 4, groups};
 }
 
-torch::Tensor paged_attention_coded(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_scales, torch::Tensor k_zeros,
-                                    torch::Tensor v_codes, torch::Tensor v_scales, torch::Tensor v_zeros,
-                                    torch::Tensor block_table, torch::Tensor first_pos, torch::Tensor row_seq,
-                                    torch::Tensor row_pos, int64_t window, double scale) {
+// Coded pages, checked; a plain call (state's pointers null) or a merging one.
+torch::Tensor attend_coded(const torch::Tensor& q, const torch::Tensor& k_codes, const torch::Tensor& k_scales,
+                           const torch::Tensor& k_zeros, const torch::Tensor& v_codes, const torch::Tensor& v_scales,
+                           const torch::Tensor& v_zeros, const torch::Tensor& block_table, const torch::Tensor& first_pos,
+                           const torch::Tensor& row_seq, const torch::Tensor& row_pos, int64_t window, double scale,
+                           const State& state) {
   TORCH_CHECK(k_codes.dim() == 4, "k_codes: expected [P, page_size, kv_heads, D or D / 2], got ", k_codes.sizes());
   const int64_t pages = k_codes.size(0), page_size = k_codes.size(1), kv_heads = k_codes.size(2);
   const int64_t D = check_query(q, page_size, kv_heads);
   const CodedPages coded{coded_side(k_codes, k_scales, k_zeros, "k", pages, page_size, kv_heads, D),
                          coded_side(v_codes, v_scales, v_zeros, "v", pages, page_size, kv_heads, D), page_size, kv_heads, D};
-  return attend(coded, q, block_table, first_pos, row_seq, row_pos, pages, page_size, kv_heads, window, scale);
+  return attend(coded, q, block_table, first_pos, row_seq, row_pos, pages, page_size, kv_heads, window, scale, state);
+}
+
+}  // namespace
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor block_table,
+                              torch::Tensor first_pos, torch::Tensor row_seq, torch::Tensor row_pos, int64_t window,
+                              double scale) {
+  return attend_raw(q, k_pages, v_pages, block_table, first_pos, row_seq, row_pos, window, scale, State{});
+}
+
+void paged_attention_merge(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor block_table,
+                           torch::Tensor first_pos, torch::Tensor row_seq, torch::Tensor row_pos, int64_t window, double scale,
+                           torch::Tensor acc, torch::Tensor top, torch::Tensor total) {
+  attend_raw(q, k_pages, v_pages, block_table, first_pos, row_seq, row_pos, window, scale, check_state(q, acc, top, total));
+}
+
+torch::Tensor paged_attention_coded(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_scales, torch::Tensor k_zeros,
+                                    torch::Tensor v_codes, torch::Tensor v_scales, torch::Tensor v_zeros,
+                                    torch::Tensor block_table, torch::Tensor first_pos, torch::Tensor row_seq,
+                                    torch::Tensor row_pos, int64_t window, double scale) {
+  return attend_coded(q, k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros, block_table, first_pos, row_seq, row_pos, window,
+                      scale, State{});
+}
+
+void paged_attention_coded_merge(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_scales, torch::Tensor k_zeros,
+                                 torch::Tensor v_codes, torch::Tensor v_scales, torch::Tensor v_zeros, torch::Tensor block_table,
+                                 torch::Tensor first_pos, torch::Tensor row_seq, torch::Tensor row_pos, int64_t window,
+                                 double scale, torch::Tensor acc, torch::Tensor top, torch::Tensor total) {
+  attend_coded(q, k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros, block_table, first_pos, row_seq, row_pos, window, scale,
+               check_state(q, acc, top, total));
 }

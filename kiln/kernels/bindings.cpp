@@ -56,6 +56,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention (attention.cpp)", released);
   m.def("paged_attention_coded", &paged_attention_coded, "paged attention over 8-bit / 4-bit coded pages (attention.cpp)",
         released);
+  m.def("paged_attention_merge", &paged_attention_merge, "paged attention merged into an online-softmax state (attention.cpp)",
+        released);
+  m.def("paged_attention_coded_merge", &paged_attention_coded_merge,
+        "coded paged attention merged into an online-softmax state (attention.cpp)", released);
   m.def("store_kv", &store_kv, "new K/V rows stored into raw or coded pages (kv_store.cpp)", released);
   m.def("linear_f32", &linear_f32, "batch-invariant float32 linear, packed weights (linear.cpp)", released);
   m.def("linear_int8", &linear_int8, "weight-only int8 linear, packed weights and per-row scales (linear.cpp)", released);

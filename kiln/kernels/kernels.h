@@ -25,6 +25,14 @@ torch::Tensor paged_attention_coded(torch::Tensor q, torch::Tensor k_codes, torc
                                     torch::Tensor v_codes, torch::Tensor v_scales, torch::Tensor v_zeros,
                                     torch::Tensor block_table, torch::Tensor first_pos, torch::Tensor row_seq,
                                     torch::Tensor row_pos, int64_t window, double scale);
+// The same over a part of each row's keys, merged into the caller's online-softmax state (attention.cpp).
+void paged_attention_merge(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor block_table,
+                           torch::Tensor first_pos, torch::Tensor row_seq, torch::Tensor row_pos, int64_t window, double scale,
+                           torch::Tensor acc, torch::Tensor top, torch::Tensor total);
+void paged_attention_coded_merge(torch::Tensor q, torch::Tensor k_codes, torch::Tensor k_scales, torch::Tensor k_zeros,
+                                 torch::Tensor v_codes, torch::Tensor v_scales, torch::Tensor v_zeros, torch::Tensor block_table,
+                                 torch::Tensor first_pos, torch::Tensor row_seq, torch::Tensor row_pos, int64_t window,
+                                 double scale, torch::Tensor acc, torch::Tensor top, torch::Tensor total);
 
 // kv_store.cpp
 void store_kv(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor zeros, torch::Tensor pages,

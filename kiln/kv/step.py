@@ -15,10 +15,12 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from kiln.kv.codec import Segment
 from kiln.kv.layout import KVLayout
+from kiln.kv.page_format import CHUNK_TOKENS
 from kiln.kv.storage import PageStorage
 from kiln.kv.tiers import PageTiers
 
@@ -72,6 +74,23 @@ class _GroupStep:
         return mask
 
 
+@dataclass
+class TierRun:
+    """Tier pages of one sequence, in position order, that one merging call of the attention kernel attends
+    (kiln/models/streamed_attention.py): where they lie in the host tier (`host_slots`), or else copied into
+    a staging buffer first (some are on disk)."""
+
+    first_pos: torch.Tensor  # [1, n] position of each page's first slot
+    places: list[tuple[str, int]]  # each page's (tier, slot), as PageTiers.locate tells them
+    host_slots: torch.Tensor | None  # [1, n] when every page is in the host tier
+
+
+def _row(values: list[int]) -> torch.Tensor:
+    """int64 [1, len(values)]; through numpy, four times faster than torch.tensor on a list (a step builds
+    these for hundreds of tier pages)."""
+    return torch.from_numpy(np.array(values, dtype=np.int64)).view(1, -1)
+
+
 class Workspace:
     """Reusable buffers for the pages a layer gathers. At long contexts a fresh tensor per layer per
     step costs more than the attention itself (allocation and page faults); these grow to the largest
@@ -91,9 +110,9 @@ class Workspace:
 class KVStep:
     """`streams(layer)`: some sequence reads that layer's pages from a tier (or is a `restore` sequence
     and the layer global), so the layer takes the streamed path (kiln/models/streamed_attention.py),
-    `stream_pages` pages at a time, reading them from `tiers`; sliding-window layers, bounded by their
-    window, attend as usual. `peak_bytes` is the largest transient attention buffer set one layer of
-    this step held (bytes), accounted by whichever attention path ran."""
+    reading tier pages from `tiers` (in place from host memory, or `stream_pages` at a time);
+    sliding-window layers, bounded by their window, attend as usual. `peak_bytes` is the largest transient
+    attention buffer set one layer of this step held (bytes), accounted by whichever attention path ran."""
 
     def __init__(
         self, storage: PageStorage, slices: list[KVSlice], workspace: Workspace | None = None,
@@ -107,6 +126,7 @@ class KVStep:
         self.slices = slices
         self.tiers = tiers
         self.stream_pages = stream_pages
+        self._tier_runs: dict[int, list[list[TierRun]]] = {}
         self._streamed_groups = {
             g for g, group in enumerate(self.layout.groups)
             if any((g < len(s.tiered) and s.tiered[g]) or (s.stream and group.window is None) for s in slices)
@@ -141,6 +161,44 @@ class KVStep:
                 offsets.append(position % ps)
         return _GroupStep(torch.tensor(pages, device=device), torch.tensor(offsets, device=device), block_table, first_pos,
                           query_pos, self.layout.groups[g].window, ps)
+
+    def tier_runs(self, g: int) -> list[list[TierRun]]:
+        """Per slice, its tier pages of group `g` as merging calls, worked out once per step (every layer of the
+        group reads the same pages). Calls are cut only at multiples of the kernel's chunk (CHUNK_TOKENS
+        positions), whose partial results it merges the same way within a call or across calls: so a result
+        depends on which pages are resident, never on which tier holds the others (a page moving from host
+        to disk changes no bits). Consecutive host chunks make one call; a chunk with disk pages is staged
+        alone, `stream_pages` pages (rounded up to the kernel's chunk) at most."""
+        if g not in self._tier_runs:
+            self._tier_runs[g] = [self._runs(s.tiered[g] if g < len(s.tiered) else []) for s in self.slices]
+        return self._tier_runs[g]
+
+    def _runs(self, tiered: list[tuple[int, Hashable]]) -> list[TierRun]:
+        if not tiered:
+            return []
+        ps = self.layout.page_size
+        places = self.tiers.locate([key for _, key in tiered])  # type: ignore[union-attr]
+        if all(tier == "host" for tier, _ in places):  # the common case, in one call: no cut changes a bit
+            return [TierRun(_row([index * ps for index, _ in tiered]), places, _row([slot for _, slot in places]))]
+        aligned = max(1, CHUNK_TOKENS // ps)
+        size = -(-self.stream_pages // aligned) * aligned
+        chunks: list[list[int]] = []  # positions in `tiered`
+        for n, (index, _) in enumerate(tiered):
+            if not chunks or tiered[chunks[-1][0]][0] // size != index // size:
+                chunks.append([])
+            chunks[-1].append(n)
+        runs: list[list[int]] = []  # the chunks, consecutive all-host ones joined
+        for chunk in chunks:
+            if runs and all(places[n][0] == "host" for n in runs[-1] + chunk):
+                runs[-1] += chunk
+            else:
+                runs.append(chunk)
+        out = []
+        for run in runs:
+            where = [places[n] for n in run]
+            host = all(tier == "host" for tier, _ in where)
+            out.append(TierRun(_row([tiered[n][0] * ps for n in run]), where, _row([slot for _, slot in where]) if host else None))
+        return out
 
     def streams(self, layer: int) -> bool:
         return self.layer_slots[layer][0] in self._streamed_groups

@@ -32,7 +32,7 @@ class PageStorage:
         self.codec = codec
         self.layer_slots = layout.layer_slots()  # (group, slot) of each model layer, read by every step
         self.num_pages = num_pages
-        self.data = _zeroed_pool(num_pages, codec.page_nbytes, torch.device(device))
+        self.data = zeroed_pool(num_pages, codec.page_nbytes, torch.device(device))
         # Views of each slot's K and V segments across the pool, built once: every layer of every step uses them.
         self._segments = [(codec.segment(self.data, 0, s), codec.segment(self.data, 1, s)) for s in range(layout.slots)]
         # New rows are stored (and encoded) by the C++ kernel where it runs: the same bytes as the codec's torch
@@ -78,7 +78,7 @@ class PageStorage:
             self.codec.load(segment, ids, buffer)
 
 
-def _zeroed_pool(num_pages: int, page_nbytes: int, device: torch.device) -> torch.Tensor:
+def zeroed_pool(num_pages: int, page_nbytes: int, device: torch.device) -> torch.Tensor:
     """uint8 [num_pages, page_nbytes] of zeros. On the CPU, an anonymous mapping: the OS backs a page of it
     with memory only when it is first written, so an unused tail of the pool costs address space, not RSS
     (torch.zeros would write, and so commit, every byte at start)."""

@@ -8,6 +8,11 @@ page moves down to disk; when disk is full too, the least recently used page nob
 dropped (it was only a cache). If every page is referenced and both tiers are full, `hold` refuses and
 the caller keeps the page resident: a tier never silently loses K/V someone reads.
 
+Host memory is one pool of equal slots (an anonymous mapping, backed by memory only where written), so
+attention reads a host page where it lies, as it reads the pool's pages (kiln/models/streamed_attention.py):
+`locate` tells a page's tier and slot, `host_segments` gives the host slots' typed views, `copy` copies
+pages (from disk, or with some from disk) into a caller's buffer.
+
 Disk is one file of equal slots (a codec's pages all have `page_nbytes`) in the directory given, created
 at start and unlinked at once, so nothing is left behind whatever way the process ends. It is read and
 written with pread/pwrite, never memory-mapped: the file is sparse (a budget reserves nothing), and a
@@ -31,7 +36,8 @@ import numpy as np
 import torch
 
 from kiln.errors import InvalidArgumentError, KilnError, ResourceExhaustedError, UnavailableError
-from kiln.kv.codec import KVCodec
+from kiln.kv.codec import KVCodec, Segment
+from kiln.kv.storage import zeroed_pool
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +47,7 @@ TIERS = ("host", "disk")
 @dataclass
 class _Entry:
     tier: str
-    where: torch.Tensor | int  # host: the encoded bytes; disk: the slot index
+    where: int  # the page's slot in its tier
     refs: int = 0
 
 
@@ -100,6 +106,10 @@ class PageTiers:
                 )
         self.codec = codec
         self._capacity = {"host": host_budget_bytes // codec.page_nbytes, "disk": 0}
+        self._host = zeroed_pool(self._capacity["host"], codec.page_nbytes, torch.device("cpu"))
+        self._free_host = list(range(self._capacity["host"] - 1, -1, -1))
+        self._host_segments = [(codec.segment(self._host, 0, s), codec.segment(self._host, 1, s))
+                               for s in range(codec.layout.slots)]
         self._entries: dict[Hashable, _Entry] = {}
         self._lru: dict[str, OrderedDict[Hashable, None]] = {tier: OrderedDict() for tier in TIERS}
         self._disk: DiskSlots | None = None
@@ -147,7 +157,8 @@ class PageTiers:
         if entry is None:
             if not self._room_in_host():
                 return False
-            entry = _Entry("host", page.to("cpu", copy=True))
+            entry = _Entry("host", self._free_host.pop())
+            self._host[entry.where].copy_(page)
             self._entries[key] = entry
         entry.refs += 1
         self._lru[entry.tier][key] = None
@@ -178,6 +189,25 @@ class PageTiers:
         for key, entry in zip(keys, entries, strict=True):
             self._lru[entry.tier].move_to_end(key)
 
+    def locate(self, keys: Sequence[Hashable]) -> list[tuple[str, int]]:
+        """Each page's tier and slot there (host: a row of `host_segments`), marking the pages recently
+        used: their reader attends them next."""
+        out = []
+        for key in keys:
+            entry = self._entries[key]
+            self._lru[entry.tier].move_to_end(key)
+            out.append((entry.tier, entry.where))
+        return out
+
+    def host_segments(self, slot: int) -> tuple[Segment, Segment]:
+        """K and V of one slot across the host tier's pages, as the codec's typed views."""
+        return self._host_segments[slot]
+
+    def copy(self, places: Sequence[tuple[str, int]], out: torch.Tensor) -> None:
+        """The pages at `places` (as `locate` tells them) into out[i] (uint8 [len(places), page_nbytes], contiguous)."""
+        for (tier, slot), row in zip(places, out, strict=True):
+            self._read_into(_Entry(tier, slot), row)
+
     def page(self, key: Hashable) -> torch.Tensor:
         """A copy of the page's bytes (uint8 [page_nbytes])."""
         out = torch.empty(self.codec.page_nbytes, dtype=torch.uint8)
@@ -186,7 +216,7 @@ class PageTiers:
 
     def _read_into(self, entry: _Entry, out: torch.Tensor) -> None:
         if entry.tier == "host":
-            out.copy_(entry.where)
+            out.copy_(self._host[entry.where])
         else:
             self._disk.read_into(entry.where, out.numpy())  # type: ignore[union-attr, arg-type]
 
@@ -208,7 +238,7 @@ class PageTiers:
         entry = self._entries[key]
         slot = self._free_slots.pop()
         try:
-            self._disk.write(slot, entry.where.numpy())  # type: ignore[union-attr]
+            self._disk.write(slot, self._host[entry.where].numpy())  # type: ignore[union-attr]
         except (ResourceExhaustedError, UnavailableError) as error:
             self._free_slots.append(slot)
             self._disk_write_failed(error)
@@ -217,6 +247,7 @@ class PageTiers:
             self._disk_failing = False
             logger.warning("the KV disk tier takes pages again")
         del self._lru["host"][key]
+        self._free_host.append(entry.where)
         entry.tier, entry.where = "disk", slot
         self._lru["disk"][key] = None
         return True
@@ -233,6 +264,5 @@ class PageTiers:
             return False
         entry = self._entries.pop(victim)
         del self._lru[tier][victim]
-        if tier == "disk":
-            self._free_slots.append(entry.where)  # type: ignore[arg-type]
+        (self._free_slots if tier == "disk" else self._free_host).append(entry.where)
         return True

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kiln.kernels import kernels
 from kiln.kv.page_format import CHUNK_TOKENS
-from kiln.models.streamed_attention import streamed_attention
+from kiln.models.streamed_attention import streamed_attention, tiered_attention
 
 if TYPE_CHECKING:  # kiln.kv imports the model config, hence this package
     from kiln.kv.step import KVStep
@@ -67,8 +67,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [N, heads, head_dim]; k, v: [N, kv_heads, head_dim] (after RoPE/norms). Returns [N, heads, head_dim]."""
     batch.kv.write(layer, k, v)
-    if batch.kv.streams(layer):  # a `restore` sequence's global layer: chunk by chunk, whatever else the step holds
-        return streamed_attention(q, layer, batch.kv, scale)
+    if batch.kv.streams(layer):  # a `restore` sequence's global layer: pool and tier parts merged, whatever else the step holds
+        return (tiered_attention if batch.in_place else streamed_attention)(q, layer, batch.kv, scale)
     if batch.in_place:
         return _in_place_attention(q, layer, batch.kv, scale)
     keys, values, mask = batch.kv.read(layer)

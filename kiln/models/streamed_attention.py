@@ -2,7 +2,18 @@
 
 Used for the global layers of every step that holds a `restore` sequence (whether or not its pages are in
 a tier yet, so its step memory is bounded by the chunk either way; sliding-window layers are bounded by
-their window and attend as usual). Per sequence, its keys are visited in chunks of `KVStep.stream_pages`
+their window and attend as usual). Two paths, the same result up to float rounding:
+
+`tiered_attention`, where the C++ kernels run and the step attends in place (decode, speculative
+verification, short appends): every part of the keys is attended where it lies, by the kernel's merging
+calls (kernels/attention.cpp), into one online-softmax state per query row: the pool's pages of every
+sequence, then each sequence's tier pages as `KVStep.tier_runs` plans them (host-tier pages read in place
+from the host tier's pool; a chunk holding disk pages copied into a staging buffer first). Nothing is
+gathered or decoded ahead, so a `restore` sequence's step costs about what a `full` one's does, plus any
+disk reads; its transient memory is the state, the kernel's partial states and one staging chunk.
+
+`streamed_attention`, otherwise (no kernels; steps with more than IN_PLACE_MAX_ROWS rows, which attend by
+matrix products under `full` too). Per sequence, its keys are visited in chunks of `KVStep.stream_pages`
 pages (resident pages gathered from the pool, tier pages read from their tier, both decoded by the codec
 into float32 buffers, a chunk at once) and the partial results are merged with the online softmax
 (running max, running sum, rescaled accumulator: FlashAttention's recurrence). The transient memory of a
@@ -18,7 +29,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kiln.kernels import kernels
+from kiln.kv.page_format import CHUNK_TOKENS
+
 if TYPE_CHECKING:  # kiln.kv imports the model config, hence this package
+    from kiln.kv.codec import Segment
     from kiln.kv.step import KVStep
 
 Load = Callable[[torch.Tensor, torch.Tensor], None]  # fills a chunk's K and V buffers
@@ -83,6 +98,64 @@ def streamed_attention(q: torch.Tensor, layer: int, kv: KVStep, scale: float) ->
         result = merge.result().view(kv_heads, group, s.num_tokens, dim).permute(2, 0, 1, 3).reshape(s.num_tokens, -1, dim)
         out[rows] = result.to(q.dtype)
     return out
+
+
+def tiered_attention(q: torch.Tensor, layer: int, kv: KVStep, scale: float) -> torch.Tensor:
+    """The kernel path: q [N, heads, head_dim] (the step's rows, after RoPE; the step's new K/V written);
+    returns [N, heads, head_dim]."""
+    k, v, group, window = kv.pages(layer)
+    g, slot = kv.layer_slots[layer]
+    query = q.float().contiguous()
+    step = _Rows(query, kv.row_seq, kv.row_pos, window or 0, scale,
+                 torch.zeros_like(query), torch.full(query.shape[:2], float("-inf")), torch.zeros(query.shape[:2]))
+    step.merge((k, v), group.block_table, group.first_pos)
+    staged, row = 0, 0
+    for s, runs in zip(kv.slices, kv.tier_runs(g), strict=True):
+        rows = step.part(row, s.num_tokens)
+        row += s.num_tokens
+        for run in runs:
+            if run.host_slots is not None:  # attended where they lie
+                rows.merge(kv.tiers.host_segments(slot), run.host_slots, run.first_pos)  # type: ignore[union-attr]
+                continue
+            codec = kv.tiers.codec  # type: ignore[union-attr]
+            buffer = torch.empty((len(run.places), codec.page_nbytes), dtype=torch.uint8)  # disk reads dwarf allocating it
+            kv.tiers.copy(run.places, buffer)  # type: ignore[union-attr]
+            staging = (codec.segment(buffer, 0, slot), codec.segment(buffer, 1, slot))
+            rows.merge(staging, torch.arange(len(run.places))[None], run.first_pos)
+            staged = max(staged, buffer.numel())
+    chunks = kv.last_position // CHUNK_TOKENS + 1  # the kernel keeps a partial state per row per chunk at most
+    kv.note_bytes(query.numel() * 4 * (chunks + 1) + 2 * step.top.numel() * 4 + staged)
+    return (step.acc / step.total.unsqueeze(-1)).to(q.dtype)
+
+
+@dataclass
+class _Rows:
+    """Query rows of a step and their online-softmax state (acc [rows, heads, dim] the weighted values, top
+    and total [rows, heads] the running max and sum), which the kernel's merging calls continue."""
+
+    query: torch.Tensor
+    seq: torch.Tensor  # each row's sequence: its row of the block tables merged
+    pos: torch.Tensor
+    window: int
+    scale: float
+    acc: torch.Tensor
+    top: torch.Tensor
+    total: torch.Tensor
+
+    def part(self, start: int, count: int) -> _Rows:
+        """`count` rows from `start`, all of one sequence (block tables of one row), sharing this state's memory."""
+        rows = slice(start, start + count)
+        return _Rows(self.query[rows], self.seq.new_zeros(count), self.pos[rows], self.window, self.scale,
+                     self.acc[rows], self.top[rows], self.total[rows])
+
+    def merge(self, segments: tuple[Segment, Segment], table: torch.Tensor, first: torch.Tensor) -> None:
+        """Merge in the pages of `segments` (raw or coded) each row's sequence lists in `table` (first_pos `first`)."""
+        k, v = segments
+        tail = (table, first, self.seq, self.pos, self.window, self.scale, self.acc, self.top, self.total)
+        if k.scales is None:
+            kernels().paged_attention_merge(self.query, k.codes, v.codes, *tail)
+        else:
+            kernels().paged_attention_coded_merge(self.query, *k.kernel_parts(), *v.kernel_parts(), *tail)
 
 
 def _chunks(tiered: list[tuple[int, Hashable]], indices: list[int], pages: list[int], size: int) -> list[tuple[str, list]]:

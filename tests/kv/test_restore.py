@@ -14,6 +14,7 @@ from kiln.kv.cache import KVCache
 from kiln.kv.codec import KVCodec
 from kiln.kv.format import KVFormat
 from kiln.kv.layout import KVLayout
+from kiln.kv.page_format import CHUNK_TOKENS
 from kiln.kv.pages import PageTable
 from kiln.kv.policy import FULL, KVPolicy
 from kiln.kv.tiers import PageTiers
@@ -181,3 +182,38 @@ def test_sink_window_keeps_exactly_the_documented_pages(tmp_path):
         assert harness.global_resident(seq) == [expected], step
         assert len(expected) <= policy.resident_limit(PS)
     assert not any(seq.table.tiered) and sum(harness.tiers.usage().pages.values()) == 0
+
+
+@pytest.mark.parametrize("codec", ["none", "int8", "int4"])
+def test_the_kernel_and_pytorch_paths_agree_on_tier_pages(codec, tmp_path):
+    """Steps that attend in place merge pool, host-tier and disk-tier pages in the kernel; the others (and
+    every step without the kernels) stream chunks through PyTorch: the same logits, in every codec."""
+    history = tokens(160, seed=8)
+    chunks = [100, 30] + [1] * 30  # a step too long to attend in place, then in-place steps
+    kernel = Harness("gemma3", tmp_path, codec=codec)
+    if not kernel.runner.kernel_attention:
+        pytest.skip("Kiln's CPU kernels are unavailable here: only the PyTorch path runs")
+    got = kernel.feed(kernel.admit(history, RESTORE), chunks)
+    usage = kernel.tiers.usage()
+    assert usage.pages["host"] > 0 and usage.pages["disk"] > 0
+    pytorch = Harness("gemma3", tmp_path, codec=codec)
+    pytorch.runner.kernel_attention = False
+    assert_close(got, pytorch.feed(pytorch.admit(history, RESTORE), chunks))
+
+
+def test_tier_runs_attend_host_pages_in_place_and_stage_disk_chunks(tmp_path):
+    """A step's tier reads: every tier page once, in position order; a run with disk pages is staged and
+    lies within one of the kernel's chunks (CHUNK_TOKENS positions); host pages are read where they lie."""
+    harness = Harness("gemma3", tmp_path, host_pages=40, stream_pages=3)
+    seq = harness.admit(tokens(700, seed=9), RESTORE)
+    harness.feed(seq, [60] * 11)
+    assert harness.cache.ensure(seq.table, seq.num_computed + 1)
+    kv = harness.runner.prepare([Chunk(seq, 1, logit_rows=1)]).attention.kv
+    (runs,) = kv.tier_runs(0)
+    starts = [int(p) for run in runs for p in run.first_pos[0]]
+    assert starts == [i * PS for i in sorted(seq.table.tiered[0])]
+    staged = [run for run in runs if run.host_slots is None]
+    in_place = [run for run in runs if run.host_slots is not None]
+    assert staged and in_place and len(in_place) == 1  # the host pages are the latest evicted: one run
+    assert all(len({int(p) // CHUNK_TOKENS for p in run.first_pos[0]}) == 1 for run in staged)
+    assert all(tier == "host" for tier, _ in in_place[0].places)

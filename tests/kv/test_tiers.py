@@ -1,5 +1,5 @@
-"""Host and disk tiers: budgets never exceeded, LRU moves down, referenced pages never dropped, bad
-directories and budgets refused."""
+"""Host and disk tiers: budgets never exceeded, LRU moves down, referenced pages never dropped, host pages
+readable where they lie and freed slots reused, bad directories and budgets refused."""
 
 import os
 
@@ -36,6 +36,25 @@ def test_pages_move_down_in_lru_order_and_budgets_hold(tmp_path):
     k, v = torch.empty(1, 4, 1, 8), torch.empty(1, 4, 1, 8)
     tiers.load([1], 0, (k, v))
     assert k.eq(1).all() and v.eq(1).all()
+
+
+def test_host_pages_are_read_in_place_and_located_with_disk_ones(tmp_path):
+    tiers = PageTiers(CODEC, 2 * SIZE, str(tmp_path), 2 * SIZE)
+    for key in range(3):
+        assert tiers.hold(key, block(key))
+    places = tiers.locate([0, 1, 2])
+    assert [tier for tier, _ in places] == ["disk", "host", "host"]
+    k, v = tiers.host_segments(0)
+    for (_, slot), key in zip(places[1:], [1, 2], strict=True):
+        assert k.codes[slot].eq(key).all() and v.codes[slot].eq(key).all()
+    staged = torch.empty(3, SIZE, dtype=torch.uint8)
+    tiers.copy(places, staged)
+    assert all(torch.equal(staged[key], block(key)) for key in range(3))
+    tiers.locate([1])  # now the most recently used: 2 moves down next, and its host slot goes to the new page
+    tiers.release(0)
+    assert tiers.hold(3, block(3))
+    assert [tiers.tier_of(key) for key in (1, 2, 3)] == ["host", "disk", "host"]
+    assert tiers.locate([3])[0] == places[2] and torch.equal(tiers.page(2), block(2))
 
 
 def test_without_disk_a_full_host_drops_only_unreferenced_pages():
