@@ -6,7 +6,8 @@
 - where the overhead goes: the median of a cheap call (a session's info, `--probes` times) directly, through
   the fleet's HTTP address (Ray's proxy -> ingress -> router -> replica), through its gRPC address, through
   a handle on the replicas from the bench process (router -> replica: one Ray hop), and the router's lease
-  lookup in Redis alone;
+  lookup in Redis alone; and Ray Serve's own floor, without Kiln: a deployment that answers at once,
+  through the same HTTP proxy and through a handle (what any design on Ray Serve pays per request);
 - scale: aggregate generated tokens/s of `--concurrency` sessions generating at once (3 turns of 32
   tokens each) through 1 and through 2 replicas;
 - failover: two replicas, a session owned by one of them, that replica SIGKILLed; the next turn's time to
@@ -109,6 +110,28 @@ def fleet_hops_s(url: str, grpc_address: str, redis_url: str, probes: int, seed:
             "replica_handle": handle_s, "lease_lookup": lease_s}
 
 
+def serve_floor_s(url: str, probes: int) -> dict[str, float]:
+    """Ray Serve's cost per request on this machine with no Kiln code in the path."""
+    from ray import serve
+
+    @serve.deployment(name="Floor", ray_actor_options={"num_cpus": 0})
+    class Floor:
+        async def __call__(self, request: object) -> str:
+            return "ok"
+
+        async def ping(self) -> str:
+            return "ok"
+
+    handle = serve.run(Floor.bind(), name="floor", route_prefix="/floor")
+    try:
+        with httpx.Client(base_url=url, timeout=30.0) as client:
+            http_s = timed(lambda: client.get("/floor").raise_for_status(), probes)
+        handle_s = timed(lambda: handle.ping.remote().result(), probes)
+    finally:
+        serve.delete("floor")
+    return {"serve_floor_http": http_s, "serve_floor_handle": handle_s}
+
+
 def aggregate_tokens_per_s(url: str, concurrency: int, seed: int) -> float:
     tokens = 0
     lock = threading.Lock()
@@ -202,7 +225,8 @@ def main() -> None:
     try:
         start_fleet(spec, FleetOptions(replicas=1, http_port=port, grpc_port=grpc_port, replica_cpus=1.0))
         fleet_turns = session_turns(url, args.sessions, args.turns, seed=1)
-        hops = {"direct_http": direct_info, **fleet_hops_s(url, f"127.0.0.1:{grpc_port}", redis.url, args.probes, 500)}
+        hops = {"direct_http": direct_info, **fleet_hops_s(url, f"127.0.0.1:{grpc_port}", redis.url, args.probes, 500),
+                **serve_floor_s(url, args.probes)}
         one = aggregate_tokens_per_s(url, args.concurrency, seed=100)
         serve.run(fleet_application(spec, 2, 1.0), name=APP_NAME)
         two = aggregate_tokens_per_s(url, args.concurrency, seed=200)
