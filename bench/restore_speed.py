@@ -9,7 +9,7 @@ least 0.9x at 8k and 16k tokens). Each sample: a fresh session of the history (p
 one generation of `--tokens` tokens; tokens/s counts the tokens after the first over the time after the
 first. Also checks the two policies' greedy replies are the same tokens.
 
-Writes bench/results/restore_speed.json and prints a table: per history and speculation, tok/s of each
+Writes bench/results/restore_speed.{json,png} and prints a table: per history and speculation, tok/s of each
 policy (median of `--repeats`) and their ratio. `--quick`: a 2048-token history, 16 tokens, 1 repeat.
 """
 
@@ -69,12 +69,23 @@ def main() -> None:
     payload = {"method": __doc__, "settings": {**vars(args), "wall_s": time.perf_counter() - began}, "machine": machine,
                "results": results}
     print("wrote", common.write_results(args.name, payload))
+    plot(args.name, results)
     print("| history | speculation | full tok/s | restore tok/s | restore / full | same reply |")
     print("|---|---|---|---|---|---|")
     for key, entry in results.items():
         history, speculative = key.split("/")
         print(f"| {history} | {speculative} | {entry['full']['median']:.1f} | {entry['restore']['median']:.1f} | "
               f"{entry['ratio']:.2f}x | {entry['same_reply']} |")
+
+
+def plot(name: str, results: dict[str, Any]) -> None:
+    """Tokens/s of each policy per (history, speculation), one panel per speculation setting."""
+    panels = []
+    for speculative in dict.fromkeys(key.split("/")[1] for key in results):
+        keys = [key for key in results if key.endswith("/" + speculative)]
+        panels.append((f"decode tokens/s, speculation {speculative}", [f"{key.split('/')[0]} tokens" for key in keys],
+                       {policy: [results[key][policy]["median"] for key in keys] for policy in ("full", "restore")}))
+    common.plot_bars(name, panels, 'kv_policy "restore" against "full" after a long history (embedded model)')
 
 
 if __name__ == "__main__":
