@@ -70,6 +70,7 @@ except (OSError, AttributeError):  # not Linux: fsync each file and directory in
     _syncfs = None
 LISTING_SLACK_S = 1.0  # filesystem timestamps tick coarsely (and may lag the wall clock a little)
 LISTING_INTERVAL_S = 1.0  # how stale a process's view of other processes' new packs may be
+LEASE_FILE_MAX = 4096  # a lease file's bytes: a holder id, a token, an expiry
 
 
 class DirectoryStore(SnapshotStore):
@@ -342,12 +343,33 @@ class DirectoryStore(SnapshotStore):
         renewed: list[Lease | LeaseLostError] = []
         with _io_errors("renewing leases"), self._lock(fcntl.LOCK_EX, "leases/lock"):
             for lease in leases:
-                current = self._live_lease(lease.name)
-                if lease.same_grant(current):
-                    renewed.append(self._write_lease(replace(lease, expires_at=time.time() + ttl_s)))
-                else:
-                    renewed.append(lease_lost(lease, current))
+                renewed.append(self._renew_in_place(lease, ttl_s))
         return renewed
+
+    def _renew_in_place(self, lease: Lease, ttl_s: float) -> Lease | LeaseLostError:
+        """Four system calls (open, read, write in place, close; no staging file, no rename): while another
+        thread keeps the interpreter busy each call may wait out a GIL switch interval, and the stage-and-
+        rename write took ~27 ms a lease that way, so 1,000 sessions' leases lapsed before their renewal
+        came round. The exclusive lease lock keeps readers from seeing the write half done; a file of
+        another length (written before this format) is rewritten whole."""
+        try:
+            fd = os.open(self._lease_path(lease.name), os.O_RDWR)
+        except FileNotFoundError:
+            return lease_lost(lease, None)
+        try:
+            raw = os.pread(fd, LEASE_FILE_MAX, 0)
+            stored = _parse_lease(lease.name, raw)
+            live = stored if stored is not None and stored.expires_at > time.time() else None
+            if not lease.same_grant(live):
+                return lease_lost(lease, live)
+            renewed = replace(lease, expires_at=time.time() + ttl_s)
+            data = _lease_bytes(renewed)
+            if len(data) == len(raw):
+                os.pwrite(fd, data, 0)
+                return renewed
+        finally:
+            os.close(fd)
+        return self._write_lease(renewed)
 
     def release_lease(self, lease: Lease) -> bool:
         with _io_errors("releasing a lease"), self._lock(fcntl.LOCK_EX, "leases/lock"):
@@ -382,9 +404,8 @@ class DirectoryStore(SnapshotStore):
         """The lease file of `name`, live or lapsed; None if absent or unreadable (a file torn by a crash of
         the machine, whose holders died with it)."""
         try:
-            raw = json.loads(self._lease_path(name).read_bytes())
-            return Lease(name, str(raw["holder"]), int(raw["token"]), float(raw["expires_at"]))
-        except (FileNotFoundError, ValueError, TypeError, KeyError):
+            return _parse_lease(name, self._lease_path(name).read_bytes())
+        except FileNotFoundError:
             return None
 
     def _live_lease(self, name: str) -> Lease | None:
@@ -392,8 +413,7 @@ class DirectoryStore(SnapshotStore):
         return lease if lease is not None and lease.expires_at > time.time() else None
 
     def _write_lease(self, lease: Lease) -> Lease:
-        data = json.dumps({"holder": lease.holder, "token": lease.token, "expires_at": lease.expires_at}).encode()
-        self._write_file(self._lease_path(lease.name), data, sync=False, beside=True)
+        self._write_file(self._lease_path(lease.name), _lease_bytes(lease), sync=False, beside=True)
         return lease
 
     def _next_token(self) -> int:
@@ -460,6 +480,20 @@ class DirectoryStore(SnapshotStore):
         with open(self.root / name, "rb") as lock:
             fcntl.flock(lock, mode)
             yield  # closing the file releases the lock
+
+
+def _lease_bytes(lease: Lease) -> bytes:
+    """A lease file's contents; the expiry has a fixed width, so a renewal rewrites the same bytes' span."""
+    return f'{{"holder": {json.dumps(lease.holder)}, "token": {lease.token}, "expires_at": {lease.expires_at:.6f}}}'.encode()
+
+
+def _parse_lease(name: str, raw: bytes) -> Lease | None:
+    """None if unreadable (a file torn by a crash of the machine, whose holders died with it)."""
+    try:
+        fields = json.loads(raw)
+        return Lease(name, str(fields["holder"]), int(fields["token"]), float(fields["expires_at"]))
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 def _fsync_dir(path: Path) -> None:

@@ -65,6 +65,25 @@ def test_many_leases_renew_in_one_call_each_with_its_own_outcome(store_target):
     store.close()
 
 
+def test_a_directory_lease_renews_in_place_and_an_older_files_length_is_rewritten(tmp_path):
+    """A renewal is open, read, write, close on the lease file (no staging file, no rename: each system
+    call may wait a GIL switch interval on a busy server); a file of another length is rewritten whole."""
+    store = open_store(str(tmp_path / "store"))
+    lease = store.acquire_lease("s1", "server-a", TTL_S)
+    path = tmp_path / "store" / "leases" / "s1.json"
+    inode = path.stat().st_ino
+    renewed = store.renew_lease(lease, 2 * TTL_S)
+    assert path.stat().st_ino == inode and store.lease_of("s1").expires_at == pytest.approx(renewed.expires_at, abs=1e-5)
+    path.write_text(f'{{"holder": "server-a", "token": {lease.token}, "expires_at": {time.time() + 1.5}}}')  # repr width
+    again = store.renew_lease(lease, 3 * TTL_S)
+    assert again.expires_at > time.time() + 2.5 * TTL_S
+    assert store.lease_of("s1").expires_at == pytest.approx(again.expires_at, abs=1e-5)
+    path.write_text("{torn")
+    with pytest.raises(LeaseLostError):
+        store.renew_lease(lease, TTL_S)
+    store.close()
+
+
 def test_a_second_holder_is_refused_while_live_and_granted_after_lapse(store_target):
     store = open_store(store_target)
     first = store.acquire_lease("s1", "server-a", SHORT_TTL_S)
