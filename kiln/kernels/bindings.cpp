@@ -1,10 +1,13 @@
 // The extension module: every kernel of kernels.h, the page format's constants, and the mapping of a failed
 // check to Kiln's typed error.
 //
-// The GIL is released for every call (py::call_guard): the kernels read and write tensor memory only and
-// never touch a Python object, and a decode step spends most of its time in them, so the server's other
-// Python threads (the event loop serving streams and /metrics, the snapshot saver) run meanwhile. pybind
-// converts the arguments before the guard is taken and the result after it is dropped, both under the GIL.
+// The GIL is released for the calls that run long (about a millisecond or more: the LM head, projections
+// over many rows, attention over a long history or many rows, unpacking weights): the kernels read and
+// write tensor memory only and never touch a Python object, so the server's other Python threads (the
+// event loop serving streams and /metrics, the snapshot saver) run meanwhile. Short calls keep it: taking
+// the GIL back while another thread is busy in Python waits out that thread's switch interval (5 ms), and
+// a decode step makes over a hundred short calls (releasing on every call, a step under one busy thread
+// took ~0.7 s: 1.4 tokens/s). pybind converts the arguments and the result under the GIL either way.
 //
 // A failed TORCH_CHECK in a kernel (c10::Error) is a caller's broken contract, an internal bug: it becomes
 // kiln.errors.InvariantViolation (kind "kernel_contract"), which fails the requests of the step that made
@@ -14,7 +17,9 @@
 #include "kernels.h"
 #include "page_format.h"
 
+#include <algorithm>
 #include <exception>
+#include <utility>
 
 namespace py = pybind11;
 
@@ -37,6 +42,37 @@ py::dict page_format() {
   return out;
 }
 
+// Work (multiply-adds) past which a call is worth releasing the GIL for: about a millisecond on this
+// hardware class for each kernel family (the linears stream int8/float weights, attention does float math
+// per key).
+constexpr int64_t kLinearReleaseWork = int64_t{48} << 20;
+constexpr int64_t kAttentionReleaseWork = int64_t{8} << 20;
+
+int64_t rows(const torch::Tensor& x) { return x.numel() / std::max<int64_t>(x.dim() ? x.size(-1) : 1, 1); }
+
+// `kernel` bound so that it runs without the GIL when `work(args...)` reaches `threshold`.
+template <typename Result, typename... Args, typename Work>
+auto released_when_long(Result (*kernel)(Args...), Work work, int64_t threshold) {
+  return [kernel, work, threshold](Args... args) -> Result {
+    if (work(args...) < threshold) return kernel(std::move(args)...);
+    py::gil_scoped_release released;
+    return kernel(std::move(args)...);
+  };
+}
+
+// Rows x weight elements, for linear_f32 and linear_int8 (packed or not, w holds N x K elements).
+const auto linear_work = [](const torch::Tensor& x, const torch::Tensor& w, const auto&...) { return rows(x) * w.numel(); };
+// Query elements x the key positions a block table row spans (its width x the page size), raw and coded.
+const auto attention_work = [](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&,
+                               const torch::Tensor& block_table, const auto&...) {
+  return block_table.dim() == 2 && k.dim() > 1 ? q.numel() * block_table.size(1) * k.size(1) : 0;  // else: the kernel refuses
+};
+const auto coded_attention_work = [](const torch::Tensor& q, const torch::Tensor& k_codes, const torch::Tensor&,
+                                     const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                     const torch::Tensor& block_table, const auto&...) {
+  return block_table.dim() == 2 && k_codes.dim() > 1 ? q.numel() * block_table.size(1) * k_codes.size(1) : 0;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -47,22 +83,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       raise_invariant_violation(error.what_without_backtrace());
     }
   });
-  const auto released = py::call_guard<py::gil_scoped_release>();
-  m.def("rms_norm", &rms_norm, "fused RMSNorm (norms.cpp)", released);
-  m.def("residual_norm", &residual_norm, "residual add of a (normed) sublayer output, and its norm (norms.cpp)", released);
-  m.def("qk_norm_rope", &qk_norm_rope, "fused q/k head norms and rotary embedding (norms.cpp)", released);
-  m.def("gated_activation", &gated_activation, "act(gate) * up of a fused gate/up projection (activations.cpp)", released);
-  m.def("argmax_rows", &argmax_rows, "each row's torch.argmax (argmax.cpp)", released);
-  m.def("paged_attention", &paged_attention, "batch-invariant paged attention (attention.cpp)", released);
-  m.def("paged_attention_coded", &paged_attention_coded, "paged attention over 8-bit / 4-bit coded pages (attention.cpp)",
-        released);
-  m.def("paged_attention_merge", &paged_attention_merge, "paged attention merged into an online-softmax state (attention.cpp)",
-        released);
-  m.def("paged_attention_coded_merge", &paged_attention_coded_merge,
-        "coded paged attention merged into an online-softmax state (attention.cpp)", released);
-  m.def("store_kv", &store_kv, "new K/V rows stored into raw or coded pages (kv_store.cpp)", released);
-  m.def("linear_f32", &linear_f32, "batch-invariant float32 linear, packed weights (linear.cpp)", released);
-  m.def("linear_int8", &linear_int8, "weight-only int8 linear, packed weights and per-row scales (linear.cpp)", released);
-  m.def("unpack", &unpack, "packed weights -> row-major float32 (linear.cpp)", released);
+  m.def("rms_norm", &rms_norm, "fused RMSNorm (norms.cpp)");
+  m.def("residual_norm", &residual_norm, "residual add of a (normed) sublayer output, and its norm (norms.cpp)");
+  m.def("qk_norm_rope", &qk_norm_rope, "fused q/k head norms and rotary embedding (norms.cpp)");
+  m.def("gated_activation", &gated_activation, "act(gate) * up of a fused gate/up projection (activations.cpp)");
+  m.def("argmax_rows", &argmax_rows, "each row's torch.argmax (argmax.cpp)");
+  m.def("paged_attention", released_when_long(&paged_attention, attention_work, kAttentionReleaseWork),
+        "batch-invariant paged attention (attention.cpp)");
+  m.def("paged_attention_coded", released_when_long(&paged_attention_coded, coded_attention_work, kAttentionReleaseWork),
+        "paged attention over 8-bit / 4-bit coded pages (attention.cpp)");
+  m.def("paged_attention_merge", released_when_long(&paged_attention_merge, attention_work, kAttentionReleaseWork),
+        "paged attention merged into an online-softmax state (attention.cpp)");
+  m.def("paged_attention_coded_merge",
+        released_when_long(&paged_attention_coded_merge, coded_attention_work, kAttentionReleaseWork),
+        "coded paged attention merged into an online-softmax state (attention.cpp)");
+  m.def("store_kv", &store_kv, "new K/V rows stored into raw or coded pages (kv_store.cpp)");
+  m.def("linear_f32", released_when_long(&linear_f32, linear_work, kLinearReleaseWork),
+        "batch-invariant float32 linear, packed weights (linear.cpp)");
+  m.def("linear_int8", released_when_long(&linear_int8, linear_work, kLinearReleaseWork),
+        "weight-only int8 linear, packed weights and per-row scales (linear.cpp)");
+  m.def("unpack", &unpack, "packed weights -> row-major float32 (linear.cpp)", py::call_guard<py::gil_scoped_release>());
   m.def("page_format", &page_format, "the page format's constants (page_format.h), for kiln/kv/page_format.py to match");
 }
