@@ -187,18 +187,15 @@ class KVStep:
             if not chunks or tiered[chunks[-1][0]][0] // size != index // size:
                 chunks.append([])
             chunks[-1].append(n)
-        runs: list[list[int]] = []  # the chunks, consecutive all-host ones joined
+        runs: list[tuple[list[int], bool]] = []  # (the chunks, consecutive all-host ones joined; all host?)
         for chunk in chunks:
-            if runs and all(places[n][0] == "host" for n in runs[-1] + chunk):
-                runs[-1] += chunk
+            host = all(places[n][0] == "host" for n in chunk)
+            if host and runs and runs[-1][1]:
+                runs[-1][0].extend(chunk)
             else:
-                runs.append(chunk)
-        out = []
-        for run in runs:
-            where = [places[n] for n in run]
-            host = all(tier == "host" for tier, _ in where)
-            out.append(TierRun(_row([tiered[n][0] * ps for n in run]), where, _row([slot for _, slot in where]) if host else None))
-        return out
+                runs.append((chunk, host))
+        return [TierRun(_row([tiered[n][0] * ps for n in run]), [places[n] for n in run],
+                        _row([places[n][1] for n in run]) if host else None) for run, host in runs]
 
     def streams(self, layer: int) -> bool:
         return self.layer_slots[layer][0] in self._streamed_groups

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from kiln.client import Client
+from kiln.client import Client, Session
 from kiln.engine.sampler import SamplingParams
 from kiln.server.app import ServeOptions, try_it
 from kiln.server.auth import ApiKeys, identity_of
@@ -205,6 +205,14 @@ POOL_USED = "JSON.parse(document.querySelector('#chart-pool').dataset.last || '{
 ROW_HISTORY = "document.querySelector(\"#sessions tr[data-id='{id}'] td.history\")?.textContent === '{history:,}'"
 
 
+def watched_session(client: Client, sentence: str) -> tuple[Session, int]:
+    """A new session with some history (the sentence four times, 24 tokens generated), and its length."""
+    session = client.create_session()
+    session.append_text(sentence * 4)
+    "".join(session.generate_text(max_tokens=24))
+    return session, session.info().history_tokens
+
+
 def test_the_page_shows_a_new_session_and_the_pool_moving(tiny_server, page, tmp_path):
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
@@ -213,10 +221,7 @@ def test_the_page_shows_a_new_session_and_the_pool_moving(tiny_server, page, tmp
     page.wait_for_function(f"Number.isInteger({POOL_USED})", timeout=10_000)  # the first point of the pool chart
     used_before = page.evaluate(POOL_USED)
     with Client(tiny_server.grpc_address, tokenizer="server") as client:
-        session = client.create_session()
-        session.append_text("The dashboard watches this session. " * 4)
-        "".join(session.generate_text(max_tokens=24))
-        history = session.info().history_tokens
+        session, history = watched_session(client, "The dashboard watches this session. ")
         row = f"#sessions tr[data-id='{session.id}']"
         page.wait_for_selector(row, timeout=10_000)
         page.wait_for_function(ROW_HISTORY.format(id=session.id, history=history), timeout=10_000)
@@ -250,10 +255,7 @@ def test_the_page_works_in_firefox(tiny_server, firefox_session, tmp_path):
     tab.wait_for(f"Number.isInteger({POOL_USED})")
     used_before = tab.evaluate(POOL_USED)
     with Client(tiny_server.grpc_address, tokenizer="server") as client:
-        session = client.create_session()
-        session.append_text("Firefox watches this session. " * 4)
-        "".join(session.generate_text(max_tokens=24))
-        history = session.info().history_tokens
+        session, history = watched_session(client, "Firefox watches this session. ")
         tab.wait_for(ROW_HISTORY.format(id=session.id, history=history))
         tab.wait_for(f"{POOL_USED} > {used_before}")
         assert tab.evaluate("document.querySelector('#chart-pool path[data-series=used]').getAttribute('d')").startswith("M")
