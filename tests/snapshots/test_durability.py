@@ -121,11 +121,12 @@ def test_a_failed_save_keeps_the_session_and_retries(tiny_llm, tmp_path, monkeyp
     assert info.unsaved_changes and info.save_failures >= 1
     llm.create_session(prompt(10, seed=2))  # evicts the session whose saves fail
     assert llm.get_session(session.id).tokens == history  # from its queued capture
+    assert not llm.persistence.flush(WAIT_S)  # the eviction's capture tried too, and kept queued
+    assert llm.persistence.stats.save_failures["UNAVAILABLE"] >= 2  # the turn's save and the eviction's
     assert saved_history(llm, session.id) != history
     down.clear()
     assert wait_for(lambda: llm.persistence.flush(WAIT_S))
     assert saved_history(llm, session.id) == history
-    assert llm.persistence.stats.save_failures["UNAVAILABLE"] >= 2  # the turn's save and the eviction's
     info = llm.get_session(session.id).info()
     assert not info.unsaved_changes and info.save_failures == 0 and info.last_saved_at is not None
 
