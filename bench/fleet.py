@@ -3,11 +3,12 @@
 - routing overhead: the same sequential session workload (`--sessions` sessions of a 64-token prompt,
   `--turns` turns each: append 8 ids, generate 8 greedy tokens over REST) directly against one
   `kiln serve` and through a one-replica fleet; the headline is the median turn latency difference;
-- where the overhead goes: the median of a cheap call (a session's info, `--probes` times) directly, through
-  the fleet's HTTP address (Ray's proxy -> ingress -> router -> replica), through its gRPC address, through
-  a handle on the replicas from the bench process (router -> replica: one Ray hop), and the router's lease
-  lookup in Redis alone; and Ray Serve's own floor, without Kiln: a deployment that answers at once,
-  through the same HTTP proxy and through a handle (what any design on Ray Serve pays per request);
+- where the overhead goes: the median of a cheap call (a session's info, `--probes` times) directly,
+  through the fleet's HTTP address (Ray's proxy, its router, the replica: one Ray hop), through its gRPC
+  address, through a handle on the replicas from the bench process (router -> replica, one Ray hop,
+  without a proxy), and the router's lease lookup in Redis alone; and Ray Serve's own floor, without
+  Kiln: a deployment that answers at once, through the same HTTP proxy and through a handle (what any
+  design on Ray Serve pays per request);
 - scale: aggregate generated tokens/s of `--concurrency` sessions generating at once (3 turns of 32
   tokens each) through 1 and through 2 replicas;
 - failover: two replicas, a session owned by one of them, that replica SIGKILLed; the next turn's time to

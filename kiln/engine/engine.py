@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import logging
 import numbers
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -60,6 +61,11 @@ from kiln.openmp import warn_if_set_too_late
 
 logger = logging.getLogger(__name__)
 EMBEDDINGS = "model.embed_tokens.weight"
+# The engine thread takes the GIL back after every kernel call that released it; a thread busy in Python
+# (a server's event loop, Ray Serve's own threads in a fleet replica) holds it for up to the interpreter's
+# switch interval first, 5 ms by default, dozens of times a step. Shorter while an engine runs
+# (bench/README.md, fleet: a turn through a fleet replica 156 -> 135 ms).
+ENGINE_SWITCH_INTERVAL_S = 0.0005
 FailureObserver = Callable[[BaseException], None]
 
 
@@ -422,6 +428,7 @@ class Engine:
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
+            sys.setswitchinterval(min(sys.getswitchinterval(), ENGINE_SWITCH_INTERVAL_S))
             self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
             self._thread.start()
 

@@ -1,5 +1,6 @@
-"""The fleet on Ray Serve: N KilnReplicas behind one FleetIngress, their routes chosen by SessionRouter
-(docs/architecture.md § Fleet). `kiln fleet` and the tests start it with `start_fleet`.
+"""The fleet on Ray Serve: N KilnReplicas, the application's ingress, each request's replica chosen by
+SessionRouter in Ray's proxies (docs/architecture.md § Fleet). `kiln fleet` and the tests start it with
+`start_fleet`.
 
 Ray owns the processes: it places the replicas (one machine or a cluster), restarts the dead ones and
 scales them (`num_replicas`); Kiln owns only the routing and the state, which lives in the shared
@@ -16,9 +17,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from kiln.errors import InvalidArgumentError
-from kiln.fleet.ingress import FleetIngress
 from kiln.fleet.replica import KilnReplica, ReplicaSpec
-from kiln.fleet.routing import Route
 from kiln.server.app import ServeOptions
 
 APP_NAME = "kiln"
@@ -58,9 +57,7 @@ def fleet_application(spec: ReplicaSpec, replicas: int, replica_cpus: float) -> 
                                max_ongoing_requests=MAX_ONGOING_PER_REPLICA, request_router_config=router,
                                ray_actor_options={"num_cpus": replica_cpus}, health_check_period_s=2.0,
                                graceful_shutdown_timeout_s=30.0)
-    ingress = serve.deployment(FleetIngress, name="FleetIngress", max_ongoing_requests=4 * MAX_ONGOING_PER_REPLICA,
-                               ray_actor_options={"num_cpus": 0})
-    return ingress.bind(replica.bind(spec), spec.serve_options.max_request_bytes)
+    return replica.bind(spec)
 
 
 def application_from_args(args: dict[str, str]) -> serve.Application:
@@ -90,11 +87,6 @@ def start_fleet(spec: ReplicaSpec, options: FleetOptions, runtime_env: dict | No
 
 
 def replica_pids(app_name: str = APP_NAME) -> dict[str, int]:
-    """Ray replica id -> process id of each running KilnReplica (for a test or bench that kills one), asked
-    of every replica in turn as the router fans GET /metrics out (kiln/fleet/routing.py). Call it from
-    outside the fleet's deployments (it blocks)."""
-    handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name).options(method_name="process")
-    pids: dict[str, int] = {}
-    while (answer := handle.remote(Route(every_replica=True, asked=frozenset(pids))).result())[0] not in pids:
-        pids[answer[0]] = answer[1]
-    return pids
+    """Ray replica id -> process id of each running KilnReplica (for a test or bench that kills one). Call
+    it from outside the fleet's deployments (it blocks)."""
+    return dict(serve.get_deployment_handle(REPLICA_DEPLOYMENT, app_name).broadcast("process").results())

@@ -1,10 +1,11 @@
-"""gRPC calls carried over Ray between the fleet's ingress and a replica (docs/architecture.md § Fleet).
+"""gRPC calls run through a replica's servicer for Ray Serve's gRPC proxy (docs/architecture.md § Fleet).
 
-Ray Serve's gRPC proxy hands the ingress each call's request as raw bytes with a RayServegRPCContext
-(its metadata and peer). The ingress wraps them in a GrpcCall (plain, picklable data); the replica runs
-it through the same RuntimeServicer `kiln serve` serves (kiln/server/grpc.py: keys, quotas, typed
-statuses, metrics) over a BridgedContext, and streams back each response message's bytes, then one
-GrpcStatus, which the ingress sets on Ray's context so the client sees the status one server would send.
+Ray Serve's gRPC proxy hands a replica each call's request as raw bytes with a RayServegRPCContext (its
+metadata and peer). The replica wraps them in a GrpcCall (plain, picklable data, so a call can also be
+handed on to another replica over Ray), runs it through the same RuntimeServicer `kiln serve` serves
+(kiln/server/grpc.py: keys, quotas, typed statuses, metrics) over a BridgedContext, and gets each
+response message's bytes, then one GrpcStatus, which it sets on Ray's context so the client sees the
+status one server would send (kiln/fleet/front.py).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class GrpcStatus:
 
 @dataclass(frozen=True)
 class Encoded:
-    """A response message already serialized on the replica: Ray Serve's proxy asks the ingress's return
+    """A response message already serialized by the servicer: Ray Serve's proxy asks the replica's return
     value for SerializeToString(), and re-parsing the replica's bytes only to serialize them again is waste."""
 
     data: bytes

@@ -1,8 +1,9 @@
-"""HTTP requests carried over Ray between the fleet's ingress and a replica (docs/architecture.md § Fleet).
+"""HTTP requests handed on over Ray from one of the fleet's replicas to another (docs/architecture.md § Fleet).
 
-The ingress turns the request it received into an HttpRequest (plain, picklable data); the replica runs it
-through the same ASGI app `kiln serve` serves (kiln/server/http.py: the guard, keys, OpenAI API, REST) and
-streams the answer back as one ResponseHead, then the body's pieces, so server-sent events stay streamed.
+The replica Ray's proxy gave the request to turns it into an HttpRequest (plain, picklable data); the one
+the router picks runs it through the same ASGI app `kiln serve` serves (kiln/server/http.py: the guard,
+keys, OpenAI API, REST) and streams the answer back as one ResponseHead, then the body's pieces, so
+server-sent events stay streamed.
 When the caller goes away (Ray cancels the stream), the app sees the client disconnect, as under uvicorn,
 and cancels its generation.
 """

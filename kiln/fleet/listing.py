@@ -1,6 +1,7 @@
 """A caller's live sessions over the whole fleet (docs/architecture.md § Fleet): every replica lists the
-sessions it holds, and the ingress joins the lists, so listing through the fleet answers what one server
-would (GET /v1/sessions, the gRPC ListSessions). Each replica scopes its list to the caller's key."""
+sessions it holds, and the replica that took the request joins the lists, so listing through the fleet
+answers what one server would (GET /v1/sessions, the gRPC ListSessions). Each replica scopes its list to
+the caller's key."""
 
 from __future__ import annotations
 

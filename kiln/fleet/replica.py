@@ -2,9 +2,12 @@
 
 Each replica is an LLM over the fleet's shared snapshot store, under the instance id `fleet-<Ray replica
 id>`, so the leases of the sessions it owns name it and the router (kiln/fleet/router.py) sends their
-turns here. It serves the same HTTP app and gRPC servicer as `kiln serve` (ServingStack: keys, quotas, the OpenAI
-API, REST, the Runtime service, metrics), called in process for each request the ingress hands it
-(kiln/fleet/http_bridge.py, kiln/fleet/grpc_bridge.py), and tells the router its load every stats period.
+turns here. The replicas are the fleet application's ingress: Ray's HTTP and gRPC proxies hand a
+request straight to the replica the router picks, which serves it in process with the same HTTP app and
+gRPC servicer as `kiln serve` (ServingStack: keys, quotas, the OpenAI API, REST, the Runtime service,
+metrics), or hands it on to other replicas (kiln/fleet/front.py). It also answers what other replicas
+hand on (`http`, `grpc`: kiln/fleet/http_bridge.py, kiln/fleet/grpc_bridge.py), and tells the router its
+load every stats period.
 
 Ray restarts a replica whose health check fails (its engine died) or whose process is gone; on a graceful
 stop (scale-down, shutdown) Ray calls `__del__`, which saves every session and releases its lease (the
@@ -19,8 +22,10 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from kiln.errors import UnavailableError
+from kiln.fleet.front import GrpcFront, HttpFront, with_runtime_methods
 from kiln.fleet.grpc_bridge import GrpcCall, GrpcStatus, call_servicer
 from kiln.fleet.http_bridge import REPLICA_HEADER, HttpRequest, ResponseHead, call_asgi
 from kiln.fleet.routing import LoadReport, Route, instance_id_for
@@ -40,27 +45,54 @@ class ReplicaSpec:
     engine_options: dict[str, object] = field(default_factory=dict)
 
 
+@serve.ingress()
+@with_runtime_methods
 class KilnReplica:
     def __init__(self, spec: ReplicaSpec) -> None:
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self.replica_id, self._deployment = context.replica_id.unique_id, (context.deployment, context.app_name)
         self.llm = LLM(spec.model, snapshot_store=spec.snapshot_store, instance_id=instance_id_for(self.replica_id),
                        lease_ttl_s=spec.lease_ttl_s, **spec.engine_options)
         self.stack = ServingStack.build(self.llm, spec.serve_options)
         self.servicer = RuntimeServicer(self.stack.service, self.stack.keys, self.stack.metrics,
                                         spec.serve_options.access_log)
         self._header = ((REPLICA_HEADER, self.replica_id.encode()),)
+        self._replicas: DeploymentHandle | None = None
+        max_bytes = spec.serve_options.max_request_bytes
+        self.grpc_front = GrpcFront(self.grpc, self.replicas, max_bytes)
+        self._http_front = HttpFront(self.stack.http_app, self.replica_id, self.replicas, max_bytes)
+
+    def __serve_build_asgi_app__(self) -> HttpFront:  # noqa: PLW3201 - Ray Serve's name for a late-bound ingress app
+        return self._http_front
+
+    def replicas(self) -> DeploymentHandle:
+        """The handle on every replica of this deployment (this one included), for the requests handed on."""
+        if self._replicas is None:
+            self._replicas = serve.get_deployment_handle(*self._deployment)
+        return self._replicas
 
     async def http(self, route: Route, request: HttpRequest) -> AsyncIterator[ResponseHead | bytes]:
-        """One HTTP request, routed here by `route` (the router reads it; the app needs only the request)."""
+        """One HTTP request another replica handed on, routed here by `route` (the router reads it; the app
+        needs only the request)."""
         async for piece in call_asgi(self.stack.http_app, request, self._header):
             yield piece
 
-    async def grpc(self, route: Route, call: GrpcCall) -> AsyncIterator[bytes | GrpcStatus]:
-        """One gRPC call, routed here by `route`: its response messages' bytes, then its status."""
+    async def grpc(self, call: GrpcCall) -> AsyncIterator[bytes | GrpcStatus]:
+        """One gRPC call, run in process: its response messages' bytes, then its status."""
         async for piece in call_servicer(self.servicer, call):
             yield replace(piece, replica=self.replica_id) if isinstance(piece, GrpcStatus) else piece
 
-    def process(self, route: Route) -> tuple[str, int]:
+    async def http_whole(self, request: HttpRequest) -> tuple[ResponseHead, bytes]:
+        """One HTTP request answered whole: this replica's part of a request asked of every replica."""
+        head, *pieces = [piece async for piece in call_asgi(self.stack.http_app, request, self._header)]
+        return head, b"".join(pieces)
+
+    async def grpc_whole(self, call: GrpcCall) -> tuple[list[bytes], GrpcStatus]:
+        """One unary gRPC call answered whole: this replica's part of a call asked of every replica."""
+        *messages, status = [piece async for piece in self.grpc(call)]
+        return messages, status
+
+    def process(self) -> tuple[str, int]:
         """This replica's id and process id, for whoever must signal it (kiln/fleet/app.py replica_pids)."""
         return self.replica_id, os.getpid()
 

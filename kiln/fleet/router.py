@@ -1,9 +1,12 @@
 """SessionRouter: Ray Serve's request router for the Kiln replicas (docs/architecture.md § Fleet).
 
-Ray Serve runs it inside each caller of the replicas' handle (the fleet's ingress) and asks it, per
-request, which replica should take it; the rules are kiln/fleet/routing.py's. A session's owner is read
-from its lease in the shared snapshot store, so the router keeps no state a restart could lose; it
-remembers the owners it saw only to keep resident sessions served while the store is unreachable.
+Ray Serve runs it inside each caller of the replicas' handle (Ray's HTTP and gRPC proxies, whose
+requests it reads as the proxy hands them over, before their bodies; and the replicas, which hand some
+requests on: kiln/fleet/front.py) and asks it, per request, which replica should take it; the rules are
+kiln/fleet/routing.py's. A session's owner is read from its lease in the shared snapshot store, and a
+prompt opening's replica is named by the replica handing the request on, so the router keeps no state a
+restart could lose; it remembers the owners it saw only to keep resident sessions served while the store
+is unreachable.
 
 Failover: a session whose lease holder is no longer among Ray's running replicas is either on a replica
 that is stopping (scale-down, shutdown: it saves and releases its sessions, so the router waits for the
@@ -19,20 +22,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import time
 from collections import OrderedDict
 
 import ray
+from ray.serve._private.common import (  # what Ray's HTTP and gRPC proxies send
+    StreamingHTTPRequest,
+    gRPCRequest,
+)
 from ray.serve._private.constants import SERVE_NAMESPACE  # the namespace of Serve's replica actors
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kiln.errors import KilnError
-from kiln.fleet.routing import LoadReport, Route, least_loaded, next_unasked, replica_of_holder
+from kiln.fleet.routing import (
+    LoadReport,
+    Route,
+    grpc_route,
+    placement,
+    replica_of_holder,
+    route_for,
+)
 from kiln.snapshots.redis_store import RedisStore
 from kiln.snapshots.store import Lease
 
 logger = logging.getLogger(__name__)
-REMEMBERED = 100_000  # owners and prefixes remembered (least recently used go first)
+REMEMBERED = 100_000  # owners remembered (least recently used go first)
 LAPSE_POLL_S = 0.2
 
 
@@ -42,7 +57,6 @@ class SessionRouter(RequestRouter):
         self._store: RedisStore | None = None  # connected on first use: the store may be down at start
         self._lease_ttl_s = lease_ttl_s
         self._owners: OrderedDict[str, str] = OrderedDict()  # session id -> replica id, last seen
-        self._prefixes: OrderedDict[str, str] = OrderedDict()  # prefix hash -> replica id that served it
         self._placed: dict[str, int] = {}  # sessions placed on a replica since its last load report
         self._reports: dict[str, dict] = {}
         self._seen: OrderedDict[str, ReplicaID] = OrderedDict()  # every replica seen: its actor, once gone
@@ -55,19 +69,12 @@ class SessionRouter(RequestRouter):
         for unique_id, replica in by_id.items():
             _remember(self._seen, unique_id, replica.replica_id)
         route = _route_of(pending_request)
-        if route.every_replica:
-            return [[by_id[next_unasked(list(by_id), route.asked)]]]
         if route.session_id is not None:
             owner = await self._owner(route.session_id, set(by_id))
             if owner is not None:
                 return [[by_id[owner]]]
-        elif route.prefix is not None and (holder := self._prefixes.get(route.prefix)) in by_id:
-            self._prefixes.move_to_end(route.prefix)
-            return [[by_id[holder]]]
-        chosen = least_loaded(sorted(by_id), self._load_reports(candidate_replicas), self._placed)
+        chosen = placement(route, list(by_id), self._load_reports(candidate_replicas), self._placed)
         self._placed[chosen] = self._placed.get(chosen, 0) + 1
-        if route.prefix is not None:
-            _remember(self._prefixes, route.prefix, chosen)
         return [[by_id[chosen]]]
 
     async def _owner(self, session_id: str, live: set[str]) -> str | None:
@@ -129,9 +136,20 @@ class SessionRouter(RequestRouter):
 
 
 def _route_of(pending_request: PendingRequest | None) -> Route:
-    """The Route the ingress passed as the call's first argument (kiln/fleet/ingress.py)."""
-    if pending_request is not None and pending_request.args and isinstance(pending_request.args[0], Route):
-        return pending_request.args[0]
+    """A replica's hand-on names its Route as the call's first argument (kiln/fleet/front.py); Ray's
+    proxies pass the request they received, pickled: an HTTP request's scope (its path; the body is read
+    later, by the replica) or a gRPC call's request bytes (its method is the call's)."""
+    if pending_request is None or not pending_request.args:
+        return Route()
+    argument = pending_request.args[0]
+    if isinstance(argument, Route):
+        return argument
+    if isinstance(argument, bytes):
+        request = pickle.loads(argument)  # noqa: S301 - written by Ray's own proxy, inside the cluster
+        if isinstance(request, StreamingHTTPRequest):
+            return route_for(request.asgi_scope["path"])
+        if isinstance(request, gRPCRequest):
+            return grpc_route(pending_request.metadata.call_method, request.user_request_proto)
     return Route()
 
 

@@ -1,13 +1,15 @@
 """What the fleet routes by (docs/architecture.md § Fleet), kept apart from Ray so it is plain data:
-the Route the ingress derives from an HTTP request, each replica's load report, and the choices.
+the Route of a request, each replica's load report, and the choices.
 
 - A request (HTTP or gRPC) that names a session goes to the replica whose instance holds the session's lease.
-- Any other request (creating a session, restoring a snapshot, listing) goes to the least-loaded replica.
-- GET /metrics and a listing of sessions (GET /v1/sessions, gRPC ListSessions) go to every replica in
-  turn (the ingress merges their answers: kiln/fleet/metrics.py, kiln/fleet/listing.py): each call to a
-  replica not yet asked, then one more to any, whose repeated id says all were asked.
-- A stateless OpenAI request goes to the replica that last served the same opening (a hash of the first
-  PREFIX_CHARS characters of its prompt: the pages a prefix cache would hold), else the least-loaded.
+- Any other request (creating a session, restoring a snapshot) goes to the least-loaded replica.
+- GET /metrics and a listing of sessions (GET /v1/sessions, gRPC ListSessions) go to the least loaded,
+  which asks every replica at once (Ray's broadcast) and merges their answers (kiln/fleet/metrics.py,
+  kiln/fleet/listing.py).
+- A stateless OpenAI request goes to the replica its prompt's opening picks (a hash of the first
+  PREFIX_CHARS characters: the pages a prefix cache would hold) by rendezvous hashing over the running
+  replicas, so every replica that takes such a request picks the same one without sharing memory, and a
+  replica's loss moves only its own openings; a full replica's openings go to the least loaded.
 """
 
 from __future__ import annotations
@@ -27,18 +29,19 @@ INSTANCE_PREFIX = "fleet-"  # a replica's instance id in the snapshot store: fle
 _SESSION_PATH = re.compile(r"^/v1/sessions/([^/]+)(?:/.*)?$")
 _STATELESS_PATHS = ("/v1/chat/completions", "/v1/completions")
 EVERY_REPLICA_PATHS = ("/metrics", "/v1/sessions")  # GET: every replica answers its part
-EVERY_REPLICA_METHODS = ("ListSessions",)
+EVERY_REPLICA_METHODS = ("ListSessions",)  # the same over gRPC
 
 
 @dataclass(frozen=True)
 class Route:
-    """How one request is routed: by `session_id`, by `prefix` (a hash), to each replica (`every_replica`:
-    one not in `asked`), or to the least loaded."""
+    """How one request is routed: to the owner of `session_id`; to `replica` (a prompt opening's, chosen by
+    the replica handing the request on) unless it is full or gone; else to the least loaded. `origin` is
+    the replica handing the request on, never chosen for it while another runs: Ray Serve 2.60 can lose
+    the streamed answer to a call a replica makes to itself (seen: ~4 % of such calls never returned)."""
 
     session_id: str | None = None
-    prefix: str | None = None
-    every_replica: bool = False
-    asked: frozenset[str] = frozenset()
+    replica: str | None = None
+    origin: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,22 +65,26 @@ def replica_of_holder(holder: str) -> str | None:
     return instance[len(INSTANCE_PREFIX):] if instance.startswith(INSTANCE_PREFIX) else None
 
 
-def route_for(method: str, path: str, body: bytes) -> Route:
-    """The Route of an HTTP request to the fleet (its path and, for the OpenAI API, its prompt)."""
+def asks_every_replica(method: str, path: str) -> bool:
+    return method == "GET" and path in EVERY_REPLICA_PATHS
+
+
+def hands_on(method: str, path: str) -> bool:
+    """Whether an HTTP request must be handed on by the replica Ray's proxy gave it to (which routes by
+    what it holds before the body: the path): it asks every replica, or its route is in its body."""
+    return asks_every_replica(method, path) or (method == "POST" and path in _STATELESS_PATHS)
+
+
+def route_for(path: str) -> Route:
+    """The Route of an HTTP request as Ray's proxy routes it, before its body: by the session its path names."""
     if match := _SESSION_PATH.match(path):
         return Route(session_id=match.group(1))
-    if method == "GET" and path in EVERY_REPLICA_PATHS:
-        return Route(every_replica=True)
-    if method == "POST" and path in _STATELESS_PATHS:
-        return Route(prefix=prefix_hash(body))
     return Route()
 
 
 def grpc_route(method: str, request: bytes) -> Route:
     """The Route of a gRPC call to the fleet: by the session its request names. A malformed request or an
     unknown method goes to the least loaded, whose servicer answers it with the error one server gives."""
-    if method in EVERY_REPLICA_METHODS:
-        return Route(every_replica=True)
     if method not in rpc.METHODS or "session_id" not in rpc.request_type(method).DESCRIPTOR.fields_by_name:
         return Route()
     try:
@@ -104,10 +111,25 @@ def prefix_hash(body: bytes) -> str | None:
     return hashlib.sha256(opening[:PREFIX_CHARS].encode()).hexdigest()[:32]
 
 
-def next_unasked(replicas: Sequence[str], asked: frozenset[str]) -> str:
-    """The first replica (by id) not yet asked; once all were, the first of all (its id repeats)."""
-    ordered = sorted(replicas)
-    return next((replica for replica in ordered if replica not in asked), ordered[0])
+def opening_holder(opening: str, replicas: Sequence[str]) -> str:
+    """The replica a prompt opening goes to: the one whose hash with the opening is highest (rendezvous
+    hashing: any caller that knows the same replicas picks the same one)."""
+    return max(replicas, key=lambda replica: hashlib.sha256(f"{opening}/{replica}".encode()).digest())
+
+
+def placement(route: Route, replicas: Sequence[str], reports: Mapping[str, LoadReport | None],
+              placed_since_report: Mapping[str, int]) -> str:
+    """Where a request no live owner holds goes: the replica its route names, unless that one is the
+    origin, full or gone; else the least loaded of the others (of all, when the origin runs alone)."""
+    others = sorted(replica for replica in replicas if replica != route.origin) or sorted(replicas)
+    if route.replica in others and not is_full(route.replica, reports, placed_since_report):
+        return route.replica
+    return least_loaded(others, reports, placed_since_report)
+
+
+def is_full(replica: str, reports: Mapping[str, LoadReport | None], placed_since_report: Mapping[str, int]) -> bool:
+    """Whether a replica's KV pool or every sequence slot is taken (as it last reported)."""
+    return reports.get(replica) is not None and _load(replica, reports, placed_since_report)[0] >= 1.0
 
 
 def least_loaded(replicas: Sequence[str], reports: Mapping[str, LoadReport | None],
@@ -115,14 +137,16 @@ def least_loaded(replicas: Sequence[str], reports: Mapping[str, LoadReport | Non
     """The replica with the least load; sessions placed on one since its last report count as one running
     request each (reports lag a stats period behind, and a burst of creates would otherwise all land on
     the replica that looked idlest). A replica that has not reported yet counts as empty."""
+    return min(replicas, key=lambda replica: _load(replica, reports, placed_since_report))
 
-    def load(replica: str) -> tuple[float, int, str]:
-        report = reports.get(replica)
-        placed = placed_since_report.get(replica, 0)
-        if report is None:
-            return placed, placed, replica
-        slots = max(1, report.max_num_seqs)
-        return (max(report.resident_kv_bytes / max(1, report.kv_capacity_bytes), (report.running + placed) / slots),
-                report.sessions + placed, replica)
 
-    return min(replicas, key=load)
+def _load(replica: str, reports: Mapping[str, LoadReport | None],
+          placed_since_report: Mapping[str, int]) -> tuple[float, int, str]:
+    """(the larger of its KV pool and sequence slots' fractions taken, its sessions, its id: a tie-break)."""
+    report = reports.get(replica)
+    placed = placed_since_report.get(replica, 0)
+    if report is None:
+        return placed, placed, replica
+    slots = max(1, report.max_num_seqs)
+    return (max(report.resident_kv_bytes / max(1, report.kv_capacity_bytes), (report.running + placed) / slots),
+            report.sessions + placed, replica)
