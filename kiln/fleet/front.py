@@ -19,6 +19,7 @@ retried. A replica that dies during a broadcast is left out of its answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -72,12 +73,14 @@ async def _open(replicas: DeploymentHandle, route: Route, request: object) -> tu
 
 async def _broadcast(replicas: Callable[[], DeploymentHandle], method: str, *args: object) -> list:
     """Every running replica's answer to `method(*args)` (their order is not kept); a replica that died
-    meanwhile is left out."""
+    meanwhile is left out. UnavailableError when none answered, or one failed otherwise."""
     answers = await replicas().broadcast(method, *args).results_async(return_exceptions=True)
     if failures := [answer for answer in answers if isinstance(answer, BaseException)
                     and not isinstance(answer, RayActorError)]:
-        raise failures[0]
-    return [answer for answer in answers if not isinstance(answer, BaseException)]
+        raise UnavailableError(f"asking every replica failed: {failures[0]}")
+    if not (answered := [answer for answer in answers if not isinstance(answer, BaseException)]):
+        raise UnavailableError("no replica answered")
+    return answered
 
 
 async def _rest(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
@@ -162,7 +165,10 @@ class HttpFront:
                               tuple((bytes(k), bytes(v)) for k, v in scope["headers"]), bytes(body),
                               tuple(scope["client"]) if scope.get("client") else None)
         if asks_every_replica(request.method, request.path):
-            response = await self._every_replicas_answers(request)
+            try:
+                response = await self._every_replicas_answers(request)
+            except UnavailableError as error:
+                response = error_response(error)
         elif (holder := await self._holder(request.body)) == self.replica_id:
             await self._here(scope, _replayed(request.body, receive), send)
             return
@@ -175,7 +181,8 @@ class HttpFront:
         if (opening := prefix_hash(body)) is None:
             return self.replica_id
         if time.monotonic() - self._members_at > MEMBERS_TTL_S:
-            self._members = [replica for replica, _ in await _broadcast(self.replicas, "process")]
+            with contextlib.suppress(UnavailableError):  # the last list it had (or itself): the request is served
+                self._members = [replica for replica, _ in await _broadcast(self.replicas, "process")]
             self._members_at = time.monotonic()
         return opening_holder(opening, self._members or [self.replica_id])
 
@@ -195,12 +202,13 @@ class HttpFront:
         each replica's series; /v1/sessions: the caller's sessions on all). A replica's refusal (a missing
         key, its Host check) is answered as it gave it."""
         bodies: dict[str, bytes] = {}
-        for head, body in await _broadcast(self.replicas, "http_whole", request):
+        answers = await _broadcast(self.replicas, "http_whole", request)
+        for head, body in answers:
             headers = _headers(head)
             if head.status != 200:
                 return Response(body, status_code=head.status, headers=headers)
             bodies[headers[REPLICA]] = body
-        return Response(_JOINS[request.path](bodies), media_type=headers["content-type"])
+        return Response(_JOINS[request.path](bodies), media_type=_headers(answers[0][0])["content-type"])
 
 
 class _CallFailed(Exception):
@@ -223,7 +231,7 @@ def _call(method: str, request: bytes, context: RayServegRPCContext) -> GrpcCall
 class GrpcFront:
     """A replica's gRPC side for Ray's gRPC proxy: each RPC of kiln.v1.Runtime is a method of the replica
     (`with_runtime_methods`) that runs `local` (the servicer in process); a listing is asked of every
-    replica over `replicas` (their `grpc` method)."""
+    replica over `replicas` (their `grpc_whole` method)."""
 
     def __init__(self, local: Callable[[GrpcCall], AsyncIterator[bytes | GrpcStatus]],
                  replicas: Callable[[], DeploymentHandle], max_request_bytes: int) -> None:
@@ -242,7 +250,12 @@ class GrpcFront:
                 yield piece
             return
         messages: dict[str, bytes] = {}
-        for answer, status in await _broadcast(self.replicas, "grpc_whole", call):  # a listing: unary
+        try:
+            answers = await _broadcast(self.replicas, "grpc_whole", call)  # a listing: unary
+        except UnavailableError as error:
+            yield GrpcStatus(grpc.StatusCode.UNAVAILABLE.name, str(error))
+            return
+        for answer, status in answers:
             if not status.ok:  # a refusal (a missing key) is the call's
                 yield status
                 return

@@ -136,7 +136,8 @@ def least_loaded(replicas: Sequence[str], reports: Mapping[str, LoadReport | Non
                  placed_since_report: Mapping[str, int]) -> str:
     """The replica with the least load; sessions placed on one since its last report count as one running
     request each (reports lag a stats period behind, and a burst of creates would otherwise all land on
-    the replica that looked idlest). A replica that has not reported yet counts as empty."""
+    the replica that looked idlest). A replica that has not reported yet counts as empty but for what was
+    placed on it, in the slots the others report (the replicas of a fleet share one spec)."""
     return min(replicas, key=lambda replica: _load(replica, reports, placed_since_report))
 
 
@@ -146,7 +147,8 @@ def _load(replica: str, reports: Mapping[str, LoadReport | None],
     report = reports.get(replica)
     placed = placed_since_report.get(replica, 0)
     if report is None:
-        return placed, placed, replica
+        slots = max((other.max_num_seqs for other in reports.values() if other is not None), default=1)
+        return placed / max(1, slots), placed, replica
     slots = max(1, report.max_num_seqs)
     return (max(report.resident_kv_bytes / max(1, report.kv_capacity_bytes), (report.running + placed) / slots),
             report.sessions + placed, replica)

@@ -104,6 +104,11 @@ def test_least_loaded_counts_kv_running_and_what_was_placed_since_the_report():
     idle = {"a": report(0, 0), "b": report(0, 0)}
     assert least_loaded(["a", "b"], idle, {"a": 1}) == "b"  # a burst of creates alternates
     assert least_loaded(["a", "b"], {"a": report(0, 0), "b": None}, {"b": 2}) == "a"
+    placed: dict[str, int] = {}  # a replica just added (not reported yet) beside one holding a little KV
+    for _ in range(8):
+        chosen = least_loaded(["old", "new"], {"old": report(10, 0), "new": None}, placed)
+        placed[chosen] = placed.get(chosen, 0) + 1
+    assert placed == {"old": 4, "new": 4}  # a burst of creates is shared, not piled on the reported one
 
 
 def test_grpc_calls_route_by_the_session_their_request_names():
