@@ -74,7 +74,10 @@ async def _open(replicas: DeploymentHandle, route: Route, request: object) -> tu
 async def _broadcast(replicas: Callable[[], DeploymentHandle], method: str, *args: object) -> list:
     """Every running replica's answer to `method(*args)` (their order is not kept); a replica that died
     meanwhile is left out. UnavailableError when none answered, or one failed otherwise."""
-    answers = await replicas().broadcast(method, *args).results_async(return_exceptions=True)
+    try:
+        answers = await replicas().broadcast(method, *args).results_async(return_exceptions=True)
+    except Exception as error:  # noqa: BLE001 - Ray's own (no replica running, a deployment being deleted)
+        raise UnavailableError(f"asking every replica failed: {error}") from error
     if failures := [answer for answer in answers if isinstance(answer, BaseException)
                     and not isinstance(answer, RayActorError)]:
         raise UnavailableError(f"asking every replica failed: {failures[0]}")
