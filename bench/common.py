@@ -154,6 +154,17 @@ def timed(fn, *args: Any, **kwargs: Any) -> tuple[float, Any]:  # noqa: ANN001 -
     return time.perf_counter() - start, result
 
 
+def median_seconds(call: Callable[[], object], repeats: int) -> float:
+    """The median wall seconds of `repeats` calls of `call`, after one untimed warm-up call."""
+    call()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - start)
+    return median(seconds)
+
+
 def summarize(values: Sequence[float]) -> dict[str, float | int | None]:
     """Median, min, max and count; the median is the headline figure because the machine is shared."""
     if not values:

@@ -28,7 +28,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from statistics import median
 
@@ -62,21 +61,10 @@ def session_turns(url: str, sessions: int, turns: int, seed: int) -> list[float]
     return latencies[len(ids):]  # the first round prefills the prompts
 
 
-def timed(call: Callable[[], object], probes: int) -> float:
-    """The median seconds of `call`, after one unmeasured warm-up call."""
-    call()
-    seconds = []
-    for _ in range(probes):
-        started = time.perf_counter()
-        call()
-        seconds.append(time.perf_counter() - started)
-    return median(seconds)
-
-
 def http_info_s(url: str, probes: int, seed: int) -> float:
     with httpx.Client(base_url=url, timeout=60) as client:
         session_id = client.post("/v1/sessions", json={"token_ids": common.random_ids(PROMPT_TOKENS, seed)}).json()["session_id"]
-        return timed(lambda: client.get(f"/v1/sessions/{session_id}").raise_for_status(), probes)
+        return common.median_seconds(lambda: client.get(f"/v1/sessions/{session_id}").raise_for_status(), probes)
 
 
 def fleet_hops_s(url: str, grpc_address: str, redis_url: str, probes: int, seed: int) -> dict[str, float]:
@@ -93,7 +81,7 @@ def fleet_hops_s(url: str, grpc_address: str, redis_url: str, probes: int, seed:
 
     with Client(grpc_address) as client:
         session = client.create_session(common.random_ids(PROMPT_TOKENS, seed))
-        grpc_s = timed(session.info, probes)
+        grpc_s = common.median_seconds(session.info, probes)
     replicas = serve.get_deployment_handle("KilnReplica", APP_NAME).options(method_name="http", stream=True)
     request = HttpRequest("GET", f"/v1/sessions/{session.id}", b"", ((b"host", b"127.0.0.1"),), b"", None)
 
@@ -102,10 +90,10 @@ def fleet_hops_s(url: str, grpc_address: str, redis_url: str, probes: int, seed:
             pass
 
     loop = asyncio.new_event_loop()
-    handle_s = timed(lambda: loop.run_until_complete(via_handle()), probes)
+    handle_s = common.median_seconds(lambda: loop.run_until_complete(via_handle()), probes)
     loop.close()
     store = RedisStore(redis_url)
-    lease_s = timed(lambda: store.lease_of(session.id), probes)
+    lease_s = common.median_seconds(lambda: store.lease_of(session.id), probes)
     store.close()
     return {"fleet_http": http_info_s(url, probes, seed + 1), "fleet_grpc": grpc_s,
             "replica_handle": handle_s, "lease_lookup": lease_s}
@@ -126,8 +114,8 @@ def serve_floor_s(url: str, probes: int) -> dict[str, float]:
     handle = serve.run(Floor.bind(), name="floor", route_prefix="/floor")
     try:
         with httpx.Client(base_url=url, timeout=30.0) as client:
-            http_s = timed(lambda: client.get("/floor").raise_for_status(), probes)
-        handle_s = timed(lambda: handle.ping.remote().result(), probes)
+            http_s = common.median_seconds(lambda: client.get("/floor").raise_for_status(), probes)
+        handle_s = common.median_seconds(lambda: handle.ping.remote().result(), probes)
     finally:
         serve.delete("floor")
     return {"serve_floor_http": http_s, "serve_floor_handle": handle_s}

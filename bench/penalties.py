@@ -111,23 +111,12 @@ def step_cost(distinct: list[int], repeats: int) -> dict[str, dict[str, float]]:
         penalties.sync(tokens, tokens[-count // 10 :])
         row, rows = torch.randn(VOCAB), torch.randn(len(DRAFT) + 1, VOCAB)
         costs[str(count)] = {
-            "plain_step_ms": 1000 * best_of(repeats, lambda: penalties.apply_(row, params)),  # noqa: B023 - called in the loop
-            "draft_step_ms": 1000 * best_of(repeats, lambda: penalties.apply_draft_(rows, DRAFT, params)),  # noqa: B023
+            "plain_step_ms": 1000 * common.median_seconds(lambda: penalties.apply_(row, params), repeats),  # noqa: B023 - called in the loop
+            "draft_step_ms": 1000 * common.median_seconds(lambda: penalties.apply_draft_(rows, DRAFT, params), repeats),  # noqa: B023
         }
         print(f"{count} distinct tokens: {costs[str(count)]}", flush=True)
     torch.set_num_threads(common.THREADS)
     return costs
-
-
-def best_of(repeats: int, call: object) -> float:
-    """The median of `repeats` timings of call() (seconds), after one untimed call."""
-    call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return median(times)
 
 
 def main() -> None:

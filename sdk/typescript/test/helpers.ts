@@ -17,6 +17,8 @@ export const ROOT = resolve(PACKAGE, "../..");
 export const PYTHON = process.env.KILN_PYTHON ?? join(ROOT, ".venv/bin/python");
 const READY = "kiln serve: ready";
 const START_TIMEOUT_MS = 240_000;
+const START_ATTEMPTS = 3; // a free port can be taken before the server binds it (another server picking ports at once)
+const PORT_TAKEN = "address already in use"; // as kiln serve reports either port taken (any case)
 
 /** A server as the test files see it. */
 export interface ServerInfo {
@@ -50,6 +52,18 @@ export class KilnServe implements ServerInfo {
       child.once("exit", () => reject(new Error(`kiln serve exited before it was ready:\n${this.log.join("\n")}`)));
     });
     this.started.catch(() => {}); // reported by ready()
+  }
+
+  /** `spawn`, then `ready`; started again on other ports if one of its ports was taken meanwhile. */
+  static async start(model: string, cacheDir: string, apiKeys: string[] = [], extra: string[] = []): Promise<KilnServe> {
+    for (let attempt = 1; ; attempt++) {
+      const server = await KilnServe.spawn(model, cacheDir, apiKeys, extra);
+      try {
+        return await server.ready();
+      } catch (error) {
+        if (attempt === START_ATTEMPTS || !server.log.some((line) => line.toLowerCase().includes(PORT_TAKEN))) throw error;
+      }
+    }
   }
 
   /** Starts `kiln serve --model <model>` on free loopback ports, with `apiKeys` if any. */
@@ -115,7 +129,7 @@ export function sharedServers(): SharedServers {
 export async function ownServer(extra: string[]): Promise<KilnServe> {
   const { KILN_TEST_MODEL: model, KILN_TEST_CACHE: cache } = process.env;
   if (model === undefined || cache === undefined) throw new Error("run the tests with `npm test` (test/run.ts)");
-  return (await KilnServe.spawn(model, cache, [], extra)).ready();
+  return KilnServe.start(model, cache, [], extra);
 }
 
 /** kiln_requests_total{route, status} from the server's /metrics (0 when never observed). */

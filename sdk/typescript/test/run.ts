@@ -35,8 +35,11 @@ async function main(): Promise<number> {
     const model = tinyModel(scratch);
     const cache = join(scratch, "cache");
     const persist = (name: string): string[] => ["--snapshot-dir", join(scratch, `snapshots-${name}`)];
-    servers.push(await KilnServe.spawn(model, cache, [], persist("open")), await KilnServe.spawn(model, cache, API_KEYS, persist("keyed")));
-    const [open, keyed] = await Promise.all(servers.map((server) => server.ready()));
+    const starts = await Promise.allSettled([KilnServe.start(model, cache, [], persist("open")),
+      KilnServe.start(model, cache, API_KEYS, persist("keyed"))]);
+    for (const start of starts) if (start.status === "fulfilled") servers.push(start.value); // stopped below
+    for (const start of starts) if (start.status === "rejected") throw start.reason;
+    const [open, keyed] = servers;
     console.log(`# kiln serve x2 ready in ${((performance.now() - started) / 1000).toFixed(1)} s`);
     const shared: SharedServers = { open: open!, keyed: keyed! };
     const env = { ...process.env, KILN_TEST_SERVERS: JSON.stringify(shared, ["open", "keyed", "grpcAddress", "httpUrl", "apiKeys"]),
