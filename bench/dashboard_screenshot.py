@@ -1,8 +1,8 @@
 """The README's dashboard screenshot: agents.py's kiln-grpc workload (`--agents` agents, `--turns` turns,
 persistence on) against a fresh `kiln serve` on the embedded model, while headless Chromium (Playwright,
 as tests/server/test_dashboard.py drives it) shows /dashboard at 1280x800; once `--history-points`
-seconds of charts are in, the busiest session's drill-down is opened and the page saved to
-docs/dashboard.png.
+seconds of charts are in and generations are in flight (the agents still run), the busiest session's
+drill-down is opened and the page saved to docs/dashboard.png.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ def main() -> None:
                                        f"document.querySelectorAll('#sessions tbody tr').length >= {args.agents}",
                                        timeout=300_000)
                 page.wait_for_timeout(args.history_points * 1000)
+                page.wait_for_selector("#requests tbody tr", timeout=60_000)  # generations in flight now
                 page.click("#sessions th[data-key='history']")  # longest history first
                 page.click("#sessions th[data-key='history']")
                 page.locator("#sessions tbody tr").first.click()

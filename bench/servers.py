@@ -4,6 +4,7 @@ Each benchmark system gets a fresh server, so no system finds pages another one 
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -49,9 +50,10 @@ class Server:
             self.process.wait(timeout=60)
 
 
-def start(timeout_s: float = 300.0, extra_args: Sequence[str] = ()) -> Server:
+def start(timeout_s: float = 300.0, extra_args: Sequence[str] = (), pythonpath: str | None = None) -> Server:
     """The embedded model on loopback with the same two threads the in-process runs get; `extra_args`
-    are more `kiln serve` flags (e.g. ["--kv-budget-mb", "2048"])."""
+    are more `kiln serve` flags (e.g. ["--kv-budget-mb", "2048"]); `pythonpath`, a kiln tree to run
+    instead of the one this process imports."""
     grpc_port, http_port = _free_port(), _free_port()
     command = [sys.executable, "-m", "kiln.cli", "serve", "--threads", str(THREADS),
                "--grpc-port", str(grpc_port), "--http-port", str(http_port), *extra_args]
@@ -59,7 +61,9 @@ def start(timeout_s: float = 300.0, extra_args: Sequence[str] = ()) -> Server:
         command.append("--no-persist")
     # Started from bench/ (no kiln there): `-m` puts the working directory first on sys.path, and from the
     # repository root that would shadow a tree the caller put first on PYTHONPATH to measure it.
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=BENCH_DIR)
+    env = os.environ if pythonpath is None else {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [pythonpath, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=BENCH_DIR, env=env)
     ready = threading.Event()
     log: list[str] = []
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 import sys
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
+from kiln import startup  # first: Ctrl-C during the imports below (torch: seconds) exits quietly
 from kiln.chat import CHAT_FORMATS, TRANSCRIPT_MAX_TOKENS, ChatFormat, chat_format, tokens_for_chat
 from kiln.config import QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig
 from kiln.engine.sampler import SamplingParams
@@ -20,8 +24,11 @@ from kiln.server.grpc_limits import GrpcLimits
 from kiln.server.http_connections import HttpLimits
 from kiln.server.service import MAX_REQUEST_BYTES
 from kiln.snapshots.commands import add_parser as add_snapshot_parser
-from kiln.snapshots.store import default_directory
+from kiln.snapshots.instance import default_directory, instance_for_model, instance_lock
 from kiln.text import TextDeltas
+
+if TYPE_CHECKING:
+    from kiln.server.app import ServeOptions
 
 # Engine flags default to None (an unset flag keeps EngineConfig's value); their help shows these.
 _ENGINE_DEFAULTS = {field.name: field.default for field in fields(EngineConfig)}
@@ -62,11 +69,17 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding from the session's history (default ngram); none turns it off")
     parser.add_argument("--num-speculative-tokens", type=int, default=None, help=f"most draft tokens verified per step (default {_ENGINE_DEFAULTS['num_speculative_tokens']})")
     parser.add_argument("--max-num-seqs", type=int, default=None, help=f"requests batched in one step (default {_ENGINE_DEFAULTS['max_num_seqs']})")
+    parser.add_argument("--max-seqs-per-caller", type=int, default=None,
+                        help="most of those one caller (an API key; without keys, a connection) holds at once "
+                        "(default: all while no other caller waits, a fair share when one does)")
     parser.add_argument("--max-batched-tokens", type=int, default=None, help=f"tokens in one step (default {_ENGINE_DEFAULTS['max_batched_tokens']})")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None, help=f"most tokens of one prompt per step (default {_ENGINE_DEFAULTS['prefill_chunk_tokens']})")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest history, tokens (default: the model's context length)")
     parser.add_argument("--max-sessions", type=int, default=None, help=f"live sessions before LRU eviction (default {_ENGINE_DEFAULTS['max_sessions']})")
     parser.add_argument("--session-ttl-s", type=float, default=None, help=f"idle seconds before a session is evicted (default {_ENGINE_DEFAULTS['session_ttl_s']:g})")
+    parser.add_argument("--generate-wait-s", type=float, default=None,
+                        help="most seconds a generate waits for the earlier ones on its session, when its caller's deadline "
+                        f"is not sooner (default {_ENGINE_DEFAULTS['generate_wait_s']:g})")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's, one per core)")
     parser.add_argument("--kv-policy", choices=POLICIES, default=None,
                         help="global layers' resident K/V: full (exact, grows), sink_window (bounded, forgets), "
@@ -112,7 +125,12 @@ def _chat_format_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def _llm(args: argparse.Namespace) -> LLM:
-    return LLM(args.model, **engine_options(args))
+    startup.phase(f"loading {args.model or 'the embedded Gemma 3 270M'}")
+    llm = LLM(args.model, **engine_options(args))
+    engine = llm.engine
+    startup.phase(f"model ready: {engine.kv_pages} KV pages of {engine.kv_page_bytes // 1024} KiB, "
+                  f"weights {engine.kv_format.weights}")
+    return llm
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
@@ -124,11 +142,13 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "deterministic": args.deterministic,
         "num_speculative_tokens": args.num_speculative_tokens,
         "max_num_seqs": args.max_num_seqs,
+        "max_seqs_per_caller": args.max_seqs_per_caller,
         "max_batched_tokens": args.max_batched_tokens,
         "prefill_chunk_tokens": args.prefill_chunk_tokens,
         "max_model_len": args.max_model_len,
         "max_sessions": args.max_sessions,
         "session_ttl_s": args.session_ttl_s,
+        "generate_wait_s": args.generate_wait_s,
         "num_threads": args.threads,
         **{name: getattr(args, name) for name in (
             "kv_policy", "kv_sink_tokens", "kv_window_tokens", "kv_codec", "kv_host_budget_mb", "kv_disk_dir",
@@ -205,46 +225,122 @@ class _RemoteTokenizer:
         return self.client.detokenize(ids, skip_special_tokens=True)
 
 
-def _chat_loop(host: object, tokenizer: object, form: ChatFormat, args: argparse.Namespace) -> None:
-    """Turns on one session, in process (`host` an LLM) or remote (a Client). Each turn renders the whole
-    conversation as /v1/chat/completions does (kiln/chat.py) and appends only what the history lacks;
-    where the rendering departs from the history (a reply the format writes otherwise than it was
-    generated), the session forks at the last token they share, so the cache still serves all before it."""
+# What a chat line starting with "/" does instead of going to the model ("//" sends a line with one "/").
+CHAT_COMMANDS = {
+    "/help": "list these commands",
+    "/reset": "start over: a new session, no turns (the system prompt stays)",
+    "/system TEXT": "set the system prompt from the next turn on (no TEXT: remove it)",
+    "/fork": "go on in a fork of this session; the session so far stays as it is (its id is printed)",
+    "/save": "save the session as a snapshot and print its id (needs persistence: --snapshot-dir, or a "
+             "server that persists)",
+    "/quit": "end the chat (as does the end of input); the session is closed, snapshots stay",
+}
+
+
+@dataclass
+class _Conversation:
+    """One chat: the session its turns go to, the tokens that session holds, the turns so far and the
+    system prompt."""
+
+    session: Any  # kiln.llm.Session in process, kiln.client.Session remote
+    history: list[int] = field(default_factory=list)
+    turns: list[dict[str, str]] = field(default_factory=list)
+    system: str | None = None
+
+    def messages(self) -> list[dict[str, str]]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
+
+
+def _chat_loop(host: Any, tokenizer: Any, form: ChatFormat, args: argparse.Namespace) -> None:
+    """Turns on one session, in process (`host` an LLM) or remote (a Client); lines starting with "/" are
+    CHAT_COMMANDS. The session is closed when the chat ends (a /fork's earlier session and /save's
+    snapshots stay)."""
     interactive = sys.stdin.isatty()
     default = form.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     options = {"max_tokens": default if args.max_tokens is None else args.max_tokens,
                **_sampling_options(args), "stop": form.stop}
-    session, history, messages = host.create_session(), [], []
-    while True:
+    chat = _Conversation(host.create_session())
+    try:
+        while True:
+            try:
+                line = input("you> " if interactive else "")
+            except EOFError:
+                break
+            if not line.strip():
+                continue
+            if line.startswith("/") and not line.startswith("//"):
+                if not _chat_command(chat, host, line.strip()):
+                    break
+                continue
+            _chat_turn(chat, line.removeprefix("/"), tokenizer, form, options)
+    finally:
+        with contextlib.suppress(KilnError):  # a server gone meanwhile: its sessions went with it, or lapse
+            chat.session.close()
+
+
+def _chat_command(chat: _Conversation, host: Any, line: str) -> bool:
+    """Run one of CHAT_COMMANDS; False when the chat ends."""
+    name, _, text = line.partition(" ")
+    if name == "/quit":
+        return False
+    if name == "/help":
+        _say("\n".join(f"{command:<14} {what}" for command, what in CHAT_COMMANDS.items()))
+    elif name == "/reset":
+        chat.session.close()
+        chat.session, chat.history, chat.turns = host.create_session(), [], []
+        _say("a new conversation" + (" (the system prompt stays)" if chat.system else ""))
+    elif name == "/system":
+        chat.system = text.strip() or None
+        _say(f"system prompt set: {chat.system}" if chat.system else "system prompt removed")
+    elif name == "/fork":
+        previous = chat.session
+        chat.session = previous.fork()
+        _say(f"forked: the conversation goes on in session {chat.session.id}; session {previous.id} stays as it was")
+    elif name == "/save":
         try:
-            line = input("you> " if interactive else "")
-        except EOFError:
-            break
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        prompt = tokens_for_chat(messages, tokenizer, form=form)
-        shared = _shared_prefix(history, prompt)
-        if shared < len(history):
-            forked = session.fork(shared)
-            session.close()
-            session = forked
-        session.append(prompt[shared:])
-        print("model> ", end="", flush=True)
-        stream = session.generate(**options)
-        deltas = TextDeltas(tokenizer.decode, form.stop)
-        reply = ""
-        for token in stream:
-            piece = deltas.push([token])
-            print(_shown(reply, piece, form), end="", flush=True)
-            reply += piece
-        result = stream.result()
-        rest = deltas.finish(result.stop_string)
-        print(_shown(reply, rest, form), end="")
-        reply += rest
-        history = prompt + list(result.token_ids)
-        messages.append({"role": "assistant", "content": reply.removeprefix(" ") if form.transcript else reply})
-        print("\n  " + _turn_stats(result, session.info().history_tokens), file=sys.stderr)
+            snapshot_id = chat.session.snapshot()
+        except KilnError as error:
+            _say(f"not saved: {error}")
+        else:
+            _say(f"saved as snapshot {snapshot_id}")
+    else:
+        _say(f"unknown command {name}: /help lists them (start a line with // to send it with one /)")
+    return True
+
+
+def _chat_turn(chat: _Conversation, line: str, tokenizer: Any, form: ChatFormat, options: dict[str, Any]) -> None:
+    """One turn. It renders the whole conversation as /v1/chat/completions does (kiln/chat.py) and appends
+    only what the history lacks; where the rendering departs from the history (a reply the format writes
+    otherwise than it was generated, a new system prompt), the session forks at the last token they
+    share, so the cache still serves all before it."""
+    chat.turns.append({"role": "user", "content": line})
+    prompt = tokens_for_chat(chat.messages(), tokenizer, form=form)
+    shared = _shared_prefix(chat.history, prompt)
+    if shared < len(chat.history):
+        forked = chat.session.fork(shared)
+        chat.session.close()
+        chat.session = forked
+    chat.session.append(prompt[shared:])
+    print("model> ", end="", flush=True)
+    stream = chat.session.generate(**options)
+    deltas = TextDeltas(tokenizer.decode, form.stop)
+    reply = ""
+    for token in stream:
+        piece = deltas.push([token])
+        print(_shown(reply, piece, form), end="", flush=True)
+        reply += piece
+    result = stream.result()
+    rest = deltas.finish(result.stop_string)
+    print(_shown(reply, rest, form), end="")
+    reply += rest
+    chat.history = prompt + list(result.token_ids)
+    chat.turns.append({"role": "assistant", "content": reply.removeprefix(" ") if form.transcript else reply})
+    print("\n  " + _turn_stats(result, chat.session.info().history_tokens), file=sys.stderr)
+
+
+def _say(text: str) -> None:
+    """A chat command's answer: on stderr, beside the turn statistics (stdout holds the conversation)."""
+    print("  " + text.replace("\n", "\n  "), file=sys.stderr, flush=True)
 
 
 def _shared_prefix(first: list[int], second: list[int]) -> int:
@@ -269,7 +365,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """0 after a graceful shutdown; EXIT_ENGINE_FAILED when the engine died, for a supervisor to
     restart the server (a refused configuration is a KilnError: 2, not worth restarting)."""
     from kiln.server.access_log import AccessLog
-    from kiln.server.app import EngineFailedError, ServeOptions, api_keys_for, serve
+    from kiln.server.app import ServeOptions, api_keys_for, check_ports
     from kiln.server.tls import TlsSettings
 
     options = ServeOptions(
@@ -285,14 +381,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stall_timeout_s=args.stall_timeout_s, grpc_limits=GrpcLimits(max_concurrent_rpcs=args.max_concurrent_rpcs),
         chat_format=args.chat_format,
     )
-    api_keys_for(options)  # refuse an unsafe bind before spending seconds on loading the model
+    if args.no_persist and (args.snapshot_dir or args.snapshot_store):
+        raise InvalidArgumentError("--no-persist contradicts --snapshot-dir / --snapshot-store")
+    api_keys_for(options)  # refuse an unsafe bind, or a port in use, before spending seconds on loading the model
+    check_ports(options)
     if args.no_persist:
-        if args.snapshot_dir or args.snapshot_store:
-            raise InvalidArgumentError("--no-persist contradicts --snapshot-dir / --snapshot-store")
-    elif not args.snapshot_store and not args.snapshot_dir:
-        args.snapshot_dir = str(default_directory())  # a server persists sessions unless told not to
-    if args.instance_id is None:  # stable across restarts: a restarted server takes its sessions back at once
-        args.instance_id = f"{socket.gethostname()}-{args.host}-{args.grpc_port}"
+        return _serve(args, options)
+    if args.snapshot_store or args.snapshot_dir:  # a store shared explicitly: its servers name their instances apart
+        if args.instance_id is None:  # stable across restarts: a restarted server takes its sessions back at once
+            args.instance_id = f"{socket.gethostname()}-{args.host}-{args.grpc_port}"
+        return _serve(args, options)
+    # a server persists sessions unless told not to, in its instance's own directory (kiln/snapshots/instance.py)
+    args.instance_id = args.instance_id or instance_for_model(args.model)
+    with instance_lock(args.instance_id) as directory:
+        args.snapshot_dir = str(directory)
+        return _serve(args, options)
+
+
+def _serve(args: argparse.Namespace, options: ServeOptions) -> int:
+    from kiln.server.app import EngineFailedError, serve
+
     with _llm(args) as llm:
         try:
             serve(llm, options)
@@ -308,8 +416,16 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     return run(args, engine_options(args))
 
 
+def _version() -> str:
+    try:
+        return version("kiln")
+    except PackageNotFoundError:  # a checkout run without installing it
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln: a session-native LLM inference runtime")
+    parser.add_argument("--version", action="version", version=f"kiln {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="print the continuation of a prompt", formatter_class=_DefaultsFormatter)
     generate.add_argument("--prompt", required=True)
@@ -343,7 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--served-model-name", action="append", default=[],
                        help="another id the OpenAI API accepts and lists for the model (repeatable)")
     serve.add_argument("--instance-id", default=None,
-                       help="this server's name among those sharing the snapshot store (default: host and gRPC address)")
+                       help="this server's name: its own snapshot directory (DATA/kiln/instances/NAME/snapshots, one "
+                       "live server each) and its name among servers sharing a store (default: the model's name; with "
+                       "--snapshot-dir/--snapshot-store: host and gRPC address)")
     serve.add_argument("--tls-cert", default=None, help="PEM certificate (chain): serve TLS on both ports (needs --tls-key)")
     serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert (unencrypted)")
     serve.add_argument("--tls-client-ca", default=None,
@@ -375,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
                        "per connection, client pings at most every 10 s and only during calls, idle connections closed "
                        "after 5 min, connections asked to go away after 1 h (calls in flight get 24 h)")
     serve.add_argument("--no-persist", action="store_true",
-                       help=f"keep sessions in memory only (default: persist them in {default_directory()})")
+                       help=f"keep sessions in memory only (default: persist them in "
+                       f"{default_directory().parent.parent}/INSTANCE/snapshots, see --instance-id)")
     serve.set_defaults(run=cmd_serve)
     fleet = commands.add_parser("fleet", help="serve N replicas on Ray Serve, each session routed to the replica that "
                                 "holds it (needs the fleet extra and a Redis snapshot store)",
@@ -402,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     add_snapshot_parser(commands)
     args = parser.parse_args(argv)
     try:
-        status = args.run(args)
+        with startup.enabled(f"kiln {args.command}"):
+            status = args.run(args)
     except KilnError as error:
         print(f"kiln: {error.code}: {error}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -9,8 +10,8 @@ import torch
 from kiln.errors import InvalidArgumentError
 from kiln.kernels import supported as kernels_supported
 from kiln.kernels import unavailable_reason as kernels_unavailable_reason
+from kiln.kernels.page_format import PAGE_SIZES
 from kiln.kv.codec import CODECS
-from kiln.kv.page_format import PAGE_SIZES
 from kiln.kv.policy import POLICIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,9 +45,13 @@ class EngineConfig:
     # kernels read it in place at half float32's bytes, and decode attention is bound by reading them; llama.cpp
     # keeps float16 K/V too), else the same as dtype, so the exact path (quantization None) stays exact.
     kv_dtype: str | None = "auto"
-    page_size: int = 16  # tokens per KV page: a power of two up to 256 (kiln/kv/page_format.py, PAGE_SIZES)
+    page_size: int = 16  # tokens per KV page: a power of two up to 256 (kiln/kernels/page_format.py, PAGE_SIZES)
     kv_budget_bytes: int = 2 * 1024**3  # memory for KV pages; the pool is sized from it at start
     max_num_seqs: int = 32  # requests in one step
+    # Most of those slots one caller (an API key; a connection on a server without keys) holds at once,
+    # even alone. None: every free slot, given back down to a fair share when another caller waits
+    # (kiln/engine/scheduler.py § Fair shares).
+    max_seqs_per_caller: int | None = None
     max_batched_tokens: int = 1024  # tokens in one step (decode rows count 1)
     # Most tokens of one prompt a step computes. Longer prompts are prefilled in chunks, so steps stay
     # short and a request arriving meanwhile gets its first token within about two steps, at a small cost
@@ -70,6 +75,9 @@ class EngineConfig:
     max_model_len: int | None = None  # longest history; None = the model's context length
     max_sessions: int = 4096  # live sessions; the least recently used idle one is evicted past this
     session_ttl_s: float = 3600.0  # idle sessions older than this are evicted
+    # A session runs one generate at a time, in arrival order; a later one waits for those ahead of it
+    # up to its caller's deadline or this many seconds, whichever is sooner, then FailedPreconditionError.
+    generate_wait_s: float = 300.0
     num_threads: int | None = None  # torch intra-op threads; None = torch's default
     cache_dir: str | None = None  # converted-weight cache; None = $KILN_CACHE_DIR or ~/.cache/kiln
     # Persistence (kiln/snapshots): sessions are saved after each turn and on eviction and shutdown, and
@@ -89,6 +97,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         problems = []
+        cap = self.max_seqs_per_caller
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or not 0 < cap <= self.max_num_seqs):
+            problems.append(f"max_seqs_per_caller must be an integer in [1, max_num_seqs = {self.max_num_seqs}] or None, "
+                            f"got {cap!r}")
         if self.lease_ttl_s is not None and not 0 < self.lease_ttl_s < 3600:
             problems.append(f"lease_ttl_s must be between 0 and 3600 seconds, got {self.lease_ttl_s}")
         for name in ("kv_budget_bytes", "max_num_seqs", "max_batched_tokens", "prefill_chunk_tokens", "max_sessions"):
@@ -137,8 +149,10 @@ class EngineConfig:
             problems.append("kv_policy 'restore' streams attention in chunks, which the deterministic mode's kernels do not")
         if self.snapshot_dir is not None and self.snapshot_store is not None:
             problems.append("set snapshot_dir or snapshot_store, not both")
-        if self.session_ttl_s <= 0:
-            problems.append("session_ttl_s must be positive")
+        if not 0 < self.session_ttl_s < math.inf:  # NaN too: a snapshot's manifest must hold a finite TTL
+            problems.append(f"session_ttl_s must be a positive, finite number of seconds, got {self.session_ttl_s}")
+        if not 0 < self.generate_wait_s < math.inf:
+            problems.append(f"generate_wait_s must be a positive number of seconds, got {self.generate_wait_s}")
         if problems:
             raise InvalidArgumentError("invalid engine config: " + "; ".join(problems))
 

@@ -28,7 +28,7 @@ class NotFoundError(KilnError, LookupError):
 
 
 class FailedPreconditionError(KilnError):
-    """The call is valid but the target is not in a state to take it (e.g. a generate already running)."""
+    """The call is valid but the target is not in a state to take it (e.g. an append while a generate runs)."""
 
     code = "FAILED_PRECONDITION"
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import numbers
+import os
+import threading
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
@@ -26,6 +29,7 @@ from kiln.snapshots.store import open_store
 from kiln.text import TextDeltas
 from kiln.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
 S = TypeVar("S", bound=BaseStream)
 CONSTRAINT_OPTIONS = ("json_schema", "regex", "grammar")  # keywords that constrain the generated text
 
@@ -52,6 +56,8 @@ class LLM:
         target = self.config.snapshot_store or self.config.snapshot_dir
         self.persistence = self._persistence(target) if target else None
         self.sessions = SessionStore(self.engine, self.config.max_sessions, self.config.session_ttl_s, self.persistence)
+        if self.persistence is not None:
+            _close_at_exit(self)
         release_free_memory()  # what loading freed (kiln/heap.py says why)
 
     def _persistence(self, target: str) -> Persistence:
@@ -75,12 +81,14 @@ class LLM:
         streams = [self.start(tokens, params, GenerationStream(self.engine.cancel)) for tokens in token_lists]
         return [self._output(tokens, stream) for tokens, stream in zip(token_lists, streams, strict=True)]
 
-    def start(self, token_ids: Seq[int], params: SamplingParams, stream: S) -> S:
-        """Start one stateless generation (prefix-cached, released when done) streaming into `stream`."""
-        stream.request = self.engine.submit(self.engine.new_sequence(token_ids, session=False), params, stream.emit)
+    def start(self, token_ids: Seq[int], params: SamplingParams, stream: S, caller: str | None = None) -> S:
+        """Start one stateless generation (prefix-cached, released when done) streaming into `stream`;
+        `caller`: whose share of the batch slots it takes (Engine.submit)."""
+        stream.request = self.engine.submit(self.engine.new_sequence(token_ids, session=False), params, stream.emit, caller)
         return stream
 
-    def start_choices(self, token_ids: Seq[int], params: SamplingParams, streams: Seq[S]) -> list[S]:
+    def start_choices(self, token_ids: Seq[int], params: SamplingParams, streams: Seq[S],
+                      caller: str | None = None) -> list[S]:
         """Several generations of one prompt (OpenAI's `n`) that compute it once: the first prefills it;
         at its first token each other one forks its sequence at the prompt's end (sharing the full pages,
         copying the partial last one), so a choice recomputes only the prompt's last token. With a seed,
@@ -95,13 +103,14 @@ class LLM:
             if not forked:
                 forked = True
                 for index, stream in enumerate(rest, start=1):
-                    self._fork_choice(parent, prompt, _choice_params(params, index), stream, event)
+                    self._fork_choice(parent, prompt, _choice_params(params, index), stream, event, caller)
             first.emit(event)
 
-        first.request = self.engine.submit(parent, params, emit)
+        first.request = self.engine.submit(parent, params, emit, caller)
         return [first, *rest]
 
-    def _fork_choice(self, parent: Sequence, prompt: int, params: SamplingParams, stream: S, first: Event) -> None:
+    def _fork_choice(self, parent: Sequence, prompt: int, params: SamplingParams, stream: S, first: Event,
+                     caller: str | None) -> None:
         """Start one more choice from the first choice's first event: a fork once the prompt is computed;
         the same ending if the first ended before any token (cancelled, failed)."""
         if isinstance(first, FinishEvent):
@@ -109,7 +118,7 @@ class LLM:
             return
         try:
             child = self.engine.fork_sequence(parent, prompt)
-            stream.request = self.engine.submit(child, params, stream.emit)
+            stream.request = self.engine.submit(child, params, stream.emit, caller)
             self.engine.release_sequence(child)  # stateless: its pages go back when its request ends
         except KilnError as error:
             stream.emit(FinishEvent("error", Usage(prompt, 0, 0, 0), error=error))
@@ -151,7 +160,10 @@ class LLM:
 
     def close(self) -> None:
         """Stop the engine; with persistence, finish every queued save (and any checkpoint under way)
-        before the store is released."""
+        and hand the sessions off before the store is released. An LLM with persistence that is never
+        closed is closed so when the interpreter exits (`_close_at_exit`)."""
+        with _unclosed_lock:
+            _unclosed.discard(self)
         self.engine.shutdown()
         self.sessions.close_all()
         if self.persistence is not None:
@@ -163,6 +175,37 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_unclosed: set[LLM] = set()  # LLMs with persistence that close() has not closed yet
+_unclosed_lock = threading.Lock()
+_exit_hooked = False
+
+
+def _close_at_exit(llm: LLM) -> None:
+    """Close `llm` when the interpreter exits, unless close() did first. A script that ends after its last
+    turn without close() would otherwise lose the saves still queued (the saver's encoding pool refuses
+    work once the interpreter shuts down) and leave its sessions leased to a dead process. The hook runs
+    where executors stop (a threading exit hook, before non-daemon threads are joined; an `atexit` one runs
+    after executors refuse work), registered after theirs so it runs first, and it takes as long as
+    close() may: one attempt per queued save, failed ones retried for up to close_timeout_s."""
+    global _exit_hooked
+    with _unclosed_lock:
+        if not _exit_hooked:
+            threading._register_atexit(_close_unclosed)  # CPython's hook for the same need of concurrent.futures
+            os.register_at_fork(after_in_child=_unclosed.clear)  # a forked child owns none of their threads
+            _exit_hooked = True
+        _unclosed.add(llm)
+
+
+def _close_unclosed() -> None:
+    with _unclosed_lock:
+        left = list(_unclosed)
+    for llm in left:
+        try:
+            llm.close()
+        except Exception:  # noqa: BLE001 - an error here would skip the other exit hooks (executors' too)
+            logger.exception("closing an LLM at interpreter exit failed; its sessions' leases lapse after their TTL")
 
 
 @dataclass(frozen=True)

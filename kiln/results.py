@@ -56,6 +56,12 @@ class SessionInfo:
     # False for a session listed from the snapshot store, not in memory (evicted, or saved before a
     # restart): none of its K/V is resident; its next use brings it back.
     resident: bool = True
+    # Positions its attention no longer reads: under sink_window, those between the sink and the
+    # window once the history passes sink + window (whole pages; it grows, never shrinks); else 0.
+    forgotten_tokens: int = 0
+    # INV-1/INV-2 violations found on it (docs/architecture.md § Sessions): the first fails the session;
+    # info() still describes it, every other call is refused.
+    invariant_violations: int = 0
 
 
 @dataclass(frozen=True)

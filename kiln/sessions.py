@@ -38,11 +38,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from kiln.config import EngineConfig
 from kiln.engine.engine import Engine
 from kiln.engine.sampler import SamplingParams
 from kiln.engine.sequence import Event, FinishEvent, Request, Sequence
 from kiln.engine.stream import BaseStream, GenerationStream
 from kiln.errors import (
+    CancelledError,
+    DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     InvariantViolation,
@@ -53,6 +56,7 @@ from kiln.errors import (
     UnavailableError,
 )
 from kiln.kv.image import KVImage
+from kiln.kv.policy import KVPolicy
 from kiln.results import LiveSession, OwnerUsage, SessionInfo, SessionTurn, Usage
 from kiln.snapshots.manifest import SNAPSHOT_ID
 from kiln.snapshots.persistence import Known, MissingPagesError, Persistence, SessionCapture, StoredSession
@@ -65,6 +69,7 @@ TOMBSTONES = 10_000  # ids of ended sessions remembered to explain a NOT_FOUND
 STOP_WAIT_S = 30.0  # how long close waits for the session's cancelled generate to end
 KEEPER_PERIOD_S = 5.0  # the keeper's pace when nothing wakes it
 TURNS_KEPT = 64  # a session's last turns, for the dashboard's drill-down
+TURN_CHECK_S = 0.05  # how often a generate waiting for its turn checks that its caller is still there
 
 
 @dataclass
@@ -77,10 +82,12 @@ class _Session:
     last_used: float = field(default_factory=time.monotonic)
     active: Request | None = None
     busy: bool = False  # a thread works on it outside the store lock; other calls on it wait
+    waiting: deque[BaseStream] = field(default_factory=deque)  # generates waiting for their turn, first first
     closed: bool = False
     failure: InvariantViolation | None = None
     last_usage: Usage | None = None
     history_mark: int = 0  # INV-2: the history never gets shorter
+    violations: int = 0  # INV-1/INV-2 violations found on it (SessionInfo.invariant_violations)
     turns: deque[SessionTurn] = field(default_factory=lambda: deque(maxlen=TURNS_KEPT))
 
 
@@ -92,6 +99,7 @@ class SessionStore:
         self.ttl_s = ttl_s
         self.persistence = persistence
         self.durable_turns = bool(getattr(engine.config, "durable_turns", False))
+        self.generate_wait_s = float(getattr(engine.config, "generate_wait_s", EngineConfig.generate_wait_s))
         self._clock = clock
         self._sessions: OrderedDict[str, _Session] = OrderedDict()  # least recently used first
         self._ended: OrderedDict[str, tuple[str | None, str]] = OrderedDict()  # id -> (owner, why it ended)
@@ -209,23 +217,69 @@ class SessionStore:
         return length
 
     def generate(
-        self, session_id: str, params: SamplingParams, owner: str | None = None, stream: BaseStream | None = None
+        self, session_id: str, params: SamplingParams, owner: str | None = None, stream: BaseStream | None = None,
+        caller: str | None = None, *, deadline: float | None = None,
+        admit: Callable[[Callable[[], BaseStream]], BaseStream] | None = None,
     ) -> BaseStream:
         """Start a generation that continues the history; its tokens join the history as they commit.
         Events go to `stream` (an AsyncGenerationStream for asyncio callers), by default a new
-        GenerationStream. A constraint is compiled before the store lock is taken."""
-        if params.constraint is not None:
-            with self._locked() as leaving:
-                session = self._session(leaving, session_id, owner, idle=True)
-                length, policy = len(session.seq.tokens), self.engine.sequence_kv(session.seq).policy
-            self.engine.check_request(length, params, policy)
+        GenerationStream; `caller` is whose share of the batch slots it takes (Engine.submit).
+
+        A session runs one generate at a time, in arrival order: this one first waits for those ahead of
+        it (one whose caller left is cancelled, so it ends within an engine step), until `deadline` (a
+        time.monotonic() instant: the caller's) or `generate_wait_s`, whichever comes first; then
+        DeadlineExceededError or FailedPreconditionError. A `stream` cancelled meanwhile (its caller
+        left) leaves the queue with CancelledError. Its turn come, the session is claimed while
+        `admit(start)` (default: start()) may still refuse it (per-key quotas) and a constraint is
+        compiled, both outside the store lock."""
+        stream = stream or GenerationStream(self.engine.cancel)
         with self._locked() as leaving:
-            session = self._session(leaving, session_id, owner, idle=True)
-            stream = stream or GenerationStream(self.engine.cancel)
-            stream.request = self.engine.submit(session.seq, params, self._on_event(session, stream.emit))
+            session = self._turn(leaving, session_id, owner, stream, deadline)
+            length = len(session.seq.tokens)
+            policy = self.engine.sequence_kv(session.seq).policy if params.constraint is not None else None
+        try:
+            if policy is not None:
+                self.engine.check_request(length, params, policy)
+            return (admit or _run)(lambda: self._start(session, params, stream, caller))
+        finally:
+            self._unclaim(session)
+
+    def _turn(self, leaving: list[_Session], session_id: str, owner: str | None, stream: BaseStream,
+              deadline: float | None) -> _Session:
+        """The session, claimed, once `stream`'s generate is first in its queue and nothing else runs on
+        it (see generate). Queued generates keep a session from eviction (`_idle`)."""
+        limit = time.monotonic() + self.generate_wait_s
+        session = self._session(leaving, session_id, owner)
+        session.waiting.append(stream)
+        try:
+            while session.active is not None or session.busy or self._next_turn(session) is not stream:
+                if stream.cancel_requested:
+                    raise CancelledError("the generate's caller left while it waited for the session's turn")
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise DeadlineExceededError(
+                        f"session {session_id} was still busy with an earlier generate at the call's deadline")
+                if now >= limit:
+                    raise FailedPreconditionError(f"session {session_id} still had a generate in flight after "
+                                                  f"{self.generate_wait_s:g} s (the server's generate_wait_s)")
+                self._changed.wait(min(TURN_CHECK_S, limit - now, (limit if deadline is None else deadline) - now))
+                if session.closed:
+                    raise NotFoundError(f"session {_shown(session_id)} {self._ended.get(session_id, (owner, 'closed'))[1]}")
+            return self._session(leaving, session_id, owner, claim=True)
+        finally:
+            if stream in session.waiting:
+                session.waiting.remove(stream)
+            self._changed.notify_all()  # the next in line may go, or be refused
+
+    def _start(self, session: _Session, params: SamplingParams, stream: BaseStream, caller: str | None) -> BaseStream:
+        """Submit the generate of a session the calling thread claimed for it."""
+        with self.lock:
+            if session.closed:  # closing does not wait for a claim without persistence
+                raise NotFoundError(f"session {session.session_id} {self._ended.get(session.session_id, (None, 'closed'))[1]}")
+            stream.request = self.engine.submit(session.seq, params, self._on_event(session, stream.emit), caller)
             session.active = stream.request
             self._touch(session)
-            return stream
+        return stream
 
     def _on_event(self, session: _Session, emit: Callable[[Event], None]) -> Callable[[Event], None]:
         def on_event(event: Event) -> None:  # engine thread, engine lock not held
@@ -270,8 +324,9 @@ class SessionStore:
             return list(self._session(leaving, session_id, owner).seq.tokens)
 
     def info(self, session_id: str, owner: str | None = None) -> SessionInfo:
+        """Its info; a failed session's too (its invariant violations), which every other call refuses."""
         with self._locked() as leaving:
-            return self._info(self._session(leaving, session_id, owner))
+            return self._info(self._session(leaving, session_id, owner, failed=True))
 
     def list(self, owner: str | None = None) -> list[SessionInfo]:
         """The owner's sessions in memory, then (with persistence) those that are not: evicted, or saved
@@ -439,9 +494,17 @@ class SessionStore:
                 self._transit.discard(session.session_id)
                 self._changed.notify_all()
 
+    @classmethod
+    def _idle(cls, session: _Session) -> bool:
+        return session.active is None and not session.busy and cls._next_turn(session) is None
+
     @staticmethod
-    def _idle(session: _Session) -> bool:
-        return session.active is None and not session.busy
+    def _next_turn(session: _Session) -> BaseStream | None:
+        """The first generate waiting on the session whose caller is still there; those that left are
+        dropped (store lock held)."""
+        while session.waiting and session.waiting[0].cancel_requested:
+            session.waiting.popleft()
+        return session.waiting[0] if session.waiting else None
 
     # ---- finding a session ------------------------------------------------------------------------
 
@@ -458,18 +521,21 @@ class SessionStore:
                 self._leave(session)
 
     def _session(self, leaving: list[_Session], session_id: str, owner: str | None, *, idle: bool = False,
-                 claim: bool = False) -> _Session:
+                 claim: bool = False, failed: bool = False) -> _Session:
         """The live session of an id, brought back from persistence if it is not in memory. Called with
         the store lock held once; it may release it meanwhile (waiting for a session in transit or busy,
-        loading a revived one). `idle`: no generate in flight, and waits until no call works on it;
-        `claim`: mark it busy for the caller (`_unclaim` when done)."""
+        loading a revived one). `idle`: no generate running or waiting its turn, else FailedPreconditionError,
+        except one whose caller left (cancelled): that one ends within an engine step, so it is waited for,
+        as are calls working on it; `claim`: mark it busy for the caller (`_unclaim` when done); `failed`:
+        a session an invariant violation failed is returned too (else FailedPreconditionError)."""
         while True:
             self._expire(leaving)
             session = self._sessions.get(session_id) if isinstance(session_id, str) else None
             if session is None and isinstance(session_id, str) and session_id not in self._transit:
                 session = self._revive(leaving, session_id, owner)
             if session is None and isinstance(session_id, str) and session_id in self._transit:
-                self._changed.wait()
+                if not self._leave_now(leaving, session_id):
+                    self._changed.wait()
                 continue
             if session is None or session.owner != owner:
                 ended = self._ended.get(session_id) if session is None and isinstance(session_id, str) else None
@@ -479,15 +545,31 @@ class SessionStore:
                 self._end(session, "moved to another server")
                 self.engine.release_sequence(session.seq)
                 raise FailedPreconditionError(f"session {session_id} moved to another server (this one lost its lease)")
-            if session.failure is not None:
+            if session.failure is not None and not failed:
                 raise FailedPreconditionError(f"session {session_id} failed: {session.failure}")
-            if idle and session.active is not None:
+            if idle and (self._next_turn(session) is not None
+                         or (session.active is not None and not session.active.cancelled.is_set())):
                 raise FailedPreconditionError(f"session {session_id} already has a generate in flight")
-            if (idle or claim) and session.busy:
+            if (idle or claim) and (session.busy or (idle and session.active is not None)):
                 self._changed.wait()
                 continue
             session.busy = session.busy or claim
             return session
+
+    def _leave_now(self, leaving: list[_Session], session_id: str) -> bool:
+        """If this very thread evicted the session (it is in `leaving`: its TTL ran out as the call came),
+        it leaves memory now, the lock released meanwhile; waiting for it would wait forever for ourselves.
+        False if another thread's eviction or revival has it in transit."""
+        mine = next((session for session in leaving if session.session_id == session_id), None)
+        if mine is None:
+            return False
+        leaving.remove(mine)
+        self.lock.release()
+        try:
+            self._leave(mine)
+        finally:
+            self.lock.acquire()
+        return True
 
     def _revive(self, leaving: list[_Session], session_id: str, owner: str | None) -> _Session | None:
         """An evicted or pre-restart session back from its queued capture or snapshot, under its own
@@ -614,6 +696,7 @@ class SessionStore:
         an invariant violation is recorded on it (the caller raises it)."""
         session = _Session(session_id or secrets.token_urlsafe(16), owner, seq, ttl_s, last_used=self._clock())
         seq.owner = owner  # the scheduler's fair share of the pool is per owner
+        seq.session_id = session.session_id
         if created_at is not None:
             session.created_at = created_at
         session.history_mark = len(seq.tokens)
@@ -644,6 +727,7 @@ class SessionStore:
             self.engine.check_sequence(session.seq)
         except InvariantViolation as violation:
             self.invariant_violations[violation.kind] += 1
+            session.violations += 1
             self.outcomes["failed"] += 1
             session.failure = violation
             return violation
@@ -683,6 +767,8 @@ class SessionStore:
             kv_sink_tokens=kv.policy.sink_tokens,
             kv_window_tokens=kv.policy.window_tokens,
             global_kv_bytes=kv.global_bytes,
+            forgotten_tokens=kv.forgotten_tokens,
+            invariant_violations=session.violations,
             kv_bytes_per_token=float(self.engine.kv_bytes_per_token),
             tier_bytes_per_token=self.engine.tier_bytes_per_token,
             host_tier_bytes=kv.tier_bytes["host"],
@@ -711,6 +797,8 @@ class SessionStore:
             kv_policy=name,
             kv_sink_tokens=int(sink or 0),
             kv_window_tokens=int(window or 0),
+            forgotten_tokens=KVPolicy(name, int(sink or 0), int(window or 0)).forgotten(
+                stored.history_tokens, self.engine.kv_format.page_size),
             kv_bytes_per_token=float(self.engine.kv_bytes_per_token),
             tier_bytes_per_token=self.engine.tier_bytes_per_token,
             unsaved_changes=stored.last_saved_at is None,
@@ -752,6 +840,11 @@ def _turn(request: Request, usage: Usage) -> SessionTurn:
     first = request.first_token_at
     return SessionTurn(time.time(), usage.prefilled_tokens, usage.reused_tokens, usage.generated_tokens,
                        None if first is None else first - request.submitted_at, ended - request.submitted_at)
+
+
+def _run(start: Callable[[], BaseStream]) -> BaseStream:
+    """A generate's admission when the caller has none to add."""
+    return start()
 
 
 def _shown(session_id: object, limit: int = 64) -> str:

@@ -1,20 +1,33 @@
 """`kiln chat` over piped input on a tiny model directory: replies stream, and each turn reports what
 it prefilled and what it reused from the session's cache; a model without a chat template is noted as
-a base model."""
+a base model; lines starting with "/" are commands. `kiln --version`; Ctrl-C during a start."""
 
+import io
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
 
+import pytest
+
+from kiln.cli import main
 from tests.conftest import byte_tokenizer
 from tests.tiny_models import tiny_hf_model
 
 
-def test_chat_reports_prefill_and_reuse_per_turn(tmp_path):
-    model_dir = tmp_path / "tiny-llama"
+def tiny_model(root: Path) -> Path:
+    model_dir = root / "tiny-llama"
     tiny_hf_model("llama").save_pretrained(model_dir)
     byte_tokenizer().backend.save(str(model_dir / "tokenizer.json"))
+    return model_dir
+
+
+def test_chat_reports_prefill_and_reuse_per_turn(tmp_path):
+    model_dir = tiny_model(tmp_path)
     env = {**os.environ, "KILN_CACHE_DIR": str(tmp_path / "cache")}
     run = subprocess.run(
         [sys.executable, "-m", "kiln.cli", "chat", "--model", str(model_dir), "--max-tokens", "5", "--kv-budget-mb", "8"],
@@ -29,3 +42,59 @@ def test_chat_reports_prefill_and_reuse_per_turn(tmp_path):
     assert first_prefill <= second_reused <= first_prefill + generated - 1
     assert run.stdout.count("model> ") == 2
     assert "is a base model (no chat template)" in run.stderr  # so it chats in a transcript (kiln/chat.py)
+
+
+def test_version_names_the_package(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.strip() == f"kiln {version('kiln')}"
+
+
+def test_chat_slash_commands_are_not_sent_to_the_model(tmp_path, monkeypatch, capsys):
+    """Each command answers on stderr; only the three lines that are turns reach the model ("//" sends a
+    line with one "/"), and /quit ends the chat before the line after it."""
+    model_dir = tiny_model(tmp_path)
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    lines = ["/help", "/system Answer briefly.", "hello", "/fork", "/save", "/bogus", "//slash", "/reset", "again",
+             "/system", "/quit", "never sent"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert main(["chat", "--model", str(model_dir), "--max-tokens", "3", "--kv-budget-mb", "8"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("model> ") == 3, out
+    assert len(re.findall(r"prefilled \d+ · reused", err)) == 3
+    for command in ("/help", "/reset", "/system TEXT", "/fork", "/save", "/quit"):
+        assert re.search(rf"^  {re.escape(command)} ", err, re.M), err
+    assert "system prompt set: Answer briefly." in err and "system prompt removed" in err
+    assert re.search(r"forked: the conversation goes on in session \S+; session \S+ stays as it was", err)
+    assert "not saved: snapshots are off" in err  # in process without --snapshot-dir
+    assert "unknown command /bogus" in err and "a new conversation (the system prompt stays)" in err
+    assert "kiln chat: loading" in err  # the start names its phases
+
+
+HELD_LOAD = """
+import sys, time
+from kiln.cli import main
+import kiln.llm
+
+def held(*args, **kwargs):
+    time.sleep(60)  # a load that takes long: Ctrl-C lands in it
+
+kiln.llm.load_model = held
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("moment", ["importing", "loading"])
+def test_ctrl_c_during_the_start_exits_130_without_a_traceback(tmp_path, moment):
+    """Ctrl-C half a second in lands while the command imports torch; the other once the load began."""
+    command = [sys.executable, *(["-m", "kiln.cli"] if moment == "importing" else ["-c", HELD_LOAD]), "serve",
+               "--model", str(tmp_path / "no-model"), "--no-persist", "--grpc-port", "0", "--http-port", "0"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if moment == "importing":
+        time.sleep(0.5)
+    else:
+        assert process.stderr.readline().startswith("kiln serve: loading")
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=60) == 130
+    err = process.stderr.read()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err

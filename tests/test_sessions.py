@@ -1,17 +1,39 @@
 """Sessions: append-only histories, reuse of their K/V, forks, eviction, invariants, bad input."""
 
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
 
 from kiln import SamplingParams
-from kiln.errors import FailedPreconditionError, InvalidArgumentError, InvariantViolation, NotFoundError
+from kiln.engine.stream import GenerationStream
+from kiln.errors import (
+    CancelledError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    InvariantViolation,
+    NotFoundError,
+)
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+WAIT_S = 30.0  # liveness bound: what must happen does so well within it
+SETTLE_S = 0.5  # how long a cancelled generate takes to end, as on a real model
 
 
 def history(length: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 200, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def until(condition: Callable[[], bool], what: str) -> None:
+    """Another thread's progress, which no event announces: polled."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -116,17 +138,73 @@ def test_sessions_are_invisible_to_other_owners(tiny_llm):
     assert len(str(refused.value)) < 120
 
 
-def test_second_concurrent_generate_is_refused(tiny_llm):
+def test_generates_on_one_session_take_turns_in_arrival_order(tiny_llm):
+    """ADR 0008 §2.5: a later generate waits for the one in flight; two waiters run in the order they
+    came. Other calls needing an idle session are still refused behind a live generate."""
+    llm = tiny_llm("llama")
+    session = llm.create_session(start := history(5))
+    running = session.generate(max_tokens=5_000, ignore_eos=True)
+    queued = llm.sessions._sessions[session.id].waiting
+    results: dict[str, list[int]] = {}
+
+    def turn(name: str, tokens: int) -> None:
+        results[name] = session.generate(max_tokens=tokens, ignore_eos=True).result().token_ids
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(turn, "first", 3)
+        until(lambda: len(queued) == 1, "the first waiter queued")
+        second = pool.submit(turn, "second", 4)
+        until(lambda: len(queued) == 2, "the second waiter queued")
+        with pytest.raises(FailedPreconditionError, match="in flight"):
+            session.append([3])
+        assert not first.done() and not second.done()
+        running.cancel()
+        first.result(timeout=WAIT_S), second.result(timeout=WAIT_S)
+    ran = running.result().token_ids
+    assert (len(results["first"]), len(results["second"])) == (3, 4)
+    assert llm.sessions.tokens(session.id) == start + ran + results["first"] + results["second"]
+
+
+def test_calls_right_after_a_cancel_wait_for_it_to_end(tiny_llm, monkeypatch):
+    """A cancelled generate ends at the engine's next step (on a real model that took ~0.5 s, held here):
+    a generate or append meanwhile waits for it instead of being refused."""
     llm = tiny_llm("llama")
     session = llm.create_session(history(5))
-    stream = session.generate(max_tokens=5_000, ignore_eos=True)
-    with pytest.raises(FailedPreconditionError, match="in flight"):
-        session.generate(GREEDY)
-    with pytest.raises(FailedPreconditionError, match="in flight"):
-        session.append([3])
-    stream.cancel()
-    stream.result()
-    assert session.generate(GREEDY).result().finish_reason == "length"
+    real = llm.sessions._end_turn
+    monkeypatch.setattr(llm.sessions, "_end_turn", lambda *args: (time.sleep(SETTLE_S), real(*args)))
+    running = session.generate(max_tokens=5_000, ignore_eos=True)
+    next(iter(running))
+    running.cancel()
+    assert llm.sessions.info(session.id).generating  # still ending
+    length = session.append([3])
+    assert running.result().finish_reason == "cancelled"
+    running = session.generate(max_tokens=5_000, ignore_eos=True)
+    next(iter(running))
+    running.cancel()
+    assert session.generate(GREEDY).result().token_ids and llm.sessions.tokens(session.id)[length - 1] == 3
+
+
+def test_a_waiting_generate_gives_up_at_its_deadline_or_the_servers_limit_or_when_cancelled(tiny_llm):
+    llm = tiny_llm("llama")
+    store = llm.sessions
+    session = llm.create_session(history(5))
+    running = session.generate(max_tokens=5_000, ignore_eos=True)
+    with pytest.raises(DeadlineExceededError, match="deadline"):
+        store.generate(session.id, GREEDY, deadline=time.monotonic() + 0.2)
+    store.generate_wait_s = 0.2
+    with pytest.raises(FailedPreconditionError, match="generate_wait_s"):
+        store.generate(session.id, GREEDY)
+    store.generate_wait_s = WAIT_S
+    leaving = GenerationStream(llm.engine.cancel)
+    with ThreadPoolExecutor(1) as pool:
+        waiter = pool.submit(store.generate, session.id, GREEDY, stream=leaving)
+        until(lambda: len(store._sessions[session.id].waiting) == 1, "it queued")
+        leaving.cancel()  # its caller left
+        with pytest.raises(CancelledError):
+            waiter.result(timeout=WAIT_S)
+    assert not store._sessions[session.id].waiting and store.info(session.id).generating
+    running.cancel()
+    assert session.generate(GREEDY).result().finish_reason == "length"  # the session goes on
 
 
 def test_idle_ttl_eviction_is_counted(tiny_llm):
@@ -202,6 +280,22 @@ def test_invariant_violation_fails_only_that_session_and_is_counted(tiny_llm):
         shrunk.append([5])
     assert raised.value.kind == "inv2"
     assert llm.sessions.invariant_violations["inv2"] == 1
+
+
+def test_a_failed_session_info_carries_its_invariant_violations(tiny_llm):
+    """info() and list() still describe a session an invariant violation failed, with the count (every
+    other call on it is refused); a healthy session's count is 0."""
+    llm = tiny_llm("llama", page_size=4)
+    broken, healthy = llm.create_session(history(20)), llm.create_session(history(20, seed=3))
+    broken.generate(GREEDY).result()
+    assert broken.info().invariant_violations == 0
+    llm.sessions._sessions[broken.id].seq.table.hashes[-1] = b"corrupted-hash!!"
+    with pytest.raises(InvariantViolation):
+        broken.append([5])
+    assert broken.info().invariant_violations == 1 and broken.info().history_tokens == 29
+    assert {info.session_id: info.invariant_violations for info in llm.sessions.list()} == {broken.id: 1, healthy.id: 0}
+    with pytest.raises(FailedPreconditionError, match="failed"):
+        broken.append([6])
 
 
 def test_sliding_window_pages_are_released_during_a_long_session(tiny_llm):

@@ -174,7 +174,8 @@ class AsyncSession:
         json_schema (a dict or JSON text), regex and grammar (Lark) constrains the generated text. min_p and
         the penalties (repetition: HF/vLLM's, presence and frequency: OpenAI's) as in the proto; None: off. `timeout_s`
         bounds the whole call, stream included (past it, DeadlineExceededError); the client's default
-        does not apply, as it is meant for quick calls."""
+        does not apply, as it is meant for quick calls. A generate behind another on the session waits its
+        turn on the server, as does one right after a deadline or cancel (until the server stopped that one)."""
         request = wire.generate_request(self.id, max_tokens, temperature, top_p, top_k, seed, stop,
                                         stop_token_ids, ignore_eos, logprobs, json_schema, regex, grammar,
                                         min_p=min_p, repetition_penalty=repetition_penalty,

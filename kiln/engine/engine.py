@@ -24,6 +24,7 @@ import logging
 import numbers
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from kiln.engine.output import Finished, Outputs, Sampled
 from kiln.engine.runner import Chunk, ModelRunner, StepInputs
 from kiln.engine.sampler import Sampler, SamplingParams
 from kiln.engine.scheduler import ScheduledChunk, Scheduler
-from kiln.engine.sequence import Event, FinishEvent, Request, Sequence
+from kiln.engine.sequence import Event, FinishEvent, InFlight, Request, Sequence
 from kiln.engine.speculative import NgramProposer
 from kiln.engine.stats import EngineStats
 from kiln.engine.step_sampler import StepSampler
@@ -79,6 +80,7 @@ class SequenceKV:
     policy: KVPolicy
     tier_bytes: dict[str, int]  # the sequence's pages in each tier (shared pages counted in full)
     global_bytes: int  # of resident_bytes, the global-attention layers' pages: what the policy bounds
+    forgotten_tokens: int = 0  # positions its attention no longer reads (Sequence.forgotten_tokens)
 
 
 def build_engine_model(config: EngineConfig, loaded: LoadedModel) -> tuple[torch.nn.Module, str]:
@@ -143,7 +145,7 @@ class Engine:
         self._failure_observers: list[FailureObserver] = []
         self._scheduler = Scheduler(
             self._cache, config.max_num_seqs, config.max_batched_tokens, config.prefill_chunk_tokens, self.stats,
-            self._propose,
+            self._propose, config.max_seqs_per_caller,
         )
         self._finished: list[Request] = []  # stateless requests whose pages the next step releases
         self._thread: threading.Thread | None = None
@@ -188,6 +190,17 @@ class Engine:
             finally:
                 self._lock.release()
         return self._last_usage
+
+    def in_flight(self) -> list[InFlight]:
+        """Every request the engine holds now, oldest first: queued, running, or paused (its client
+        stopped reading). One lock hold copying a few numbers per request (the dashboard polls it)."""
+        now = time.perf_counter()
+        with self._lock:
+            scheduler = self._scheduler
+            held = [request.in_flight(state, now) for state, requests in
+                    (("queued", scheduler.waiting), ("running", scheduler.running), ("paused", scheduler.paused))
+                    for request in requests]
+        return sorted(held, key=lambda request: -request.age_s)
 
     def tier_usage(self) -> TierUsage:
         with self._lock:
@@ -314,6 +327,7 @@ class Engine:
             self._refuse_if_dead()
             table, computed = self._cache.fork(parent.table, parent.num_computed, parent.tokens[:at])
             child = Sequence(parent.tokens[:at], table, session=True, num_computed=computed)
+            child.forgotten_tokens = self._forgotten(child, len(child.tokens))  # the parent counted them
             self._scheduler.park(child)
             return child
 
@@ -344,7 +358,8 @@ class Engine:
                 for i in indices:
                     tier_bytes[tiers.tier_of((g, seq.table.hashes[i]))] += tiers.codec.page_nbytes  # type: ignore[union-attr]
             page_bytes = self._cache.page_bytes
-            return SequenceKV(seq.num_computed, pages, pages * page_bytes, seq.table.policy, tier_bytes, global_pages * page_bytes)
+            return SequenceKV(seq.num_computed, pages, pages * page_bytes, seq.table.policy, tier_bytes,
+                              global_pages * page_bytes, seq.forgotten_tokens)
 
     def capture_sequence(self, seq: Sequence, known: dict[PageKey, int]) -> KVImage:
         """A copy of an idle session sequence's K/V, taken between steps (see KVCache.capture for
@@ -369,6 +384,7 @@ class Engine:
             if table is None:
                 table = PageTable.empty(self._cache.layout.num_groups, image.policy)
             seq = Sequence(list(image.tokens), table, session=True, num_computed=computed)
+            seq.forgotten_tokens = self._forgotten(seq, len(seq.tokens))  # counted when they were forgotten
             self._scheduler.park(seq)
             return seq
 
@@ -385,16 +401,18 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------------
 
-    def submit(self, seq: Sequence, params: SamplingParams, emit: Callable[[Event], None]) -> Request:
-        """Queue a generation over `seq` (whose tokens are its prompt/history). Raises before queueing
-        if it can never run: empty, longer than the context, or larger than the whole KV pool."""
+    def submit(self, seq: Sequence, params: SamplingParams, emit: Callable[[Event], None],
+               caller: str | None = None) -> Request:
+        """Queue a generation over `seq` (whose tokens are its prompt/history) for `caller` (whose share
+        of the batch slots it takes: Request.caller). Raises before queueing if it can never run: empty,
+        longer than the context, or larger than the whole KV pool."""
         self.check_request(len(seq.tokens), params, seq.table.policy)
         stop_ids = set(self.validate_tokens(params.stop_token_ids, "stop_token_ids"))
         if not params.ignore_eos:
             stop_ids.update(self.tokenizer.eos_token_ids)
         stop_ids = frozenset(stop_ids)
         matcher = None if params.constraint is None else self._constraints.matcher(params.constraint, stop_ids)
-        request = Request(seq, params, emit, stop_ids, matcher)
+        request = Request(seq, params, emit, stop_ids, matcher, caller=caller)
         with self._wake:
             if self._stopping:
                 raise UnavailableError("the engine is shutting down")
@@ -549,6 +567,13 @@ class Engine:
             self.stats.prefill_tokens += max(0, min(chunk.num_tokens, chunk.request.prompt_tokens - seq.num_computed))
             seq.num_computed += chunk.num_tokens - len(chunk.draft)  # a draft's rows count once accepted
             self._cache.commit(seq.table, seq.tokens, seq.num_computed)
+            forgotten = self._forgotten(seq, seq.num_computed)
+            if forgotten > seq.forgotten_tokens:  # a sink_window history passed sink + window (ADR 0008 OQ-2)
+                self.stats.kv_forgotten_tokens += forgotten - seq.forgotten_tokens
+                seq.forgotten_tokens = forgotten
+
+    def _forgotten(self, seq: Sequence, num_tokens: int) -> int:
+        return seq.table.policy.forgotten(num_tokens, self._cache.page_size)
 
     def _settle_drafts(self, chunks: list[ScheduledChunk], sampled: list[list[Sampled] | Exception], appended: list[int]) -> None:
         """Under the lock, once the tokens joined: speculative chunks keep the K/V of the draft tokens

@@ -25,6 +25,9 @@ MAX_TOP_LOGPROBS = 20  # alternatives reported per position (OpenAI's limit)
 INT32_MAX = 2**31 - 1  # counts (max_tokens, top_k) fit the wire's int32 fields
 MAX_REPETITION_PENALTY = 100.0  # keeps penalised logits finite (a logit of -1e36 times 100 is still a float32)
 MAX_OPENAI_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's range)
+# logit_bias entries per request (OpenAI's limit): each is checked per request and applied to its rows
+# every step, so an unbounded map is a way to slow the server for everyone.
+MAX_LOGIT_BIAS_ENTRIES = 300
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,9 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool) or not isinstance(self.logprobs, bool):
             yield "ignore_eos", "ignore_eos and logprobs must be booleans"
         yield "top_logprobs", _integer_in("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
-        if not isinstance(self.logit_bias, tuple) or not all(_is_bias(pair) for pair in self.logit_bias):
+        if isinstance(self.logit_bias, tuple) and len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            yield "logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} logit_bias entries, got {len(self.logit_bias)}"
+        elif not isinstance(self.logit_bias, tuple) or not all(_is_bias(pair) for pair in self.logit_bias):
             yield "logit_bias", (f"logit_bias must map token ids to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
                                  f"got {self.logit_bias!r:.200}")
         if self.constraint is not None and not isinstance(self.constraint, Constraint):

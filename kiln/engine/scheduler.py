@@ -19,6 +19,16 @@ the running list at the next step for `paused`: it takes no step, no `max_num_se
 the budget, so a client that never reads holds up no one. It keeps its pages, but they are the first
 running work's pages given back for room (after idle sessions'). Resumed, it queues again at the front:
 it was admitted before anything waiting.
+
+Fair shares: the `max_num_seqs` slots are shared by caller (`Request.caller`: an API key, a connection on
+a server without keys), as the pool's pages are by owner. Of the waiting requests, the first of the caller
+holding the fewest slots is admitted next, so a caller with hundreds queued (OpenAI's `n` times 32
+prompts) does not keep a newcomer behind them. When every slot is taken and a waiting caller holds at
+least two fewer than the caller holding the most, that caller's most recently admitted request is
+requeued at the front of the queue (its pages stay cached, so it resumes from the prefix cache) and the
+waiting one takes its slot at once: a newcomer waits a step, not for someone else's long generations to
+end. The rule is work-conserving, so a caller alone may take every slot, and stable: slots differing by
+one never move. `max_seqs_per_caller`, when set, caps what any one caller holds even alone.
 """
 
 from __future__ import annotations
@@ -65,10 +75,11 @@ class Room(Enum):
 class Scheduler:
     def __init__(
         self, cache: KVCache, max_num_seqs: int, max_batched_tokens: int, prefill_chunk: int, stats: EngineStats,
-        propose: Callable[[Request, int], list[int]] | None = None,
+        propose: Callable[[Request, int], list[int]] | None = None, max_seqs_per_caller: int | None = None,
     ) -> None:
         self.cache = cache
         self.max_num_seqs = max_num_seqs
+        self.max_seqs_per_caller = max_seqs_per_caller or max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.prefill_chunk = prefill_chunk
         self.stats = stats
@@ -159,8 +170,7 @@ class Scheduler:
             self._budget -= size
 
     def _admit(self, reserve: int) -> None:
-        while self.waiting and len(self.running) < self.max_num_seqs and self._budget > reserve:
-            request = self.waiting[0]
+        while self._budget > reserve and (request := self._next_admission()) is not None:
             attached = self._attach(request)
             size = min(self._chunk(request), self._budget - reserve)
             room = self._reserve(request, size, admitting=True)
@@ -171,11 +181,26 @@ class Scheduler:
                     self.cache.release(request.seq.table)
                     request.seq.num_computed = 0
                 return
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.admitted_at = request.admitted_at or time.perf_counter()
             self.running.append(request)
             self._chunks[request] = size
             self._budget -= size
+
+    def _next_admission(self) -> Request | None:
+        """The waiting request to admit next, with a slot for it (the module docstring's fair shares):
+        the first queued of the callers under their cap holding the fewest slots. With every slot taken,
+        the caller holding the most gives one up if it holds at least two more; else None."""
+        held = Counter(r.caller for r in self.running)
+        request = min((r for r in self.waiting if held[r.caller] < self.max_seqs_per_caller),
+                      key=lambda r: held[r.caller], default=None)  # the first of equals: queue order
+        if request is None or len(self.running) < self.max_num_seqs:
+            return request
+        most = max(held.values())
+        if most < held[request.caller] + 2:
+            return None
+        self._preempt(next(r for r in reversed(self.running) if held[r.caller] == most), fair=True)
+        return request
 
     def _chunk(self, request: Request) -> int:
         return min(request.seq.uncomputed, self.prefill_chunk)
@@ -253,15 +278,22 @@ class Scheduler:
                     return True
         return False
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, fair: bool = False) -> None:
+        """Requeue a running request first in line. For room (`fair` False) its K/V counts as dropped;
+        for another caller's share (`fair`) its pages just go back, most of them to the prefix cache."""
         self.running.remove(request)
         self._budget += self._chunks.pop(request, 0)
-        self._drop(request.seq, "preempted")
+        self._drop(request.seq, None if fair else "preempted")
+        if fair:
+            self.stats.fair_share_preemptions += 1
+        else:
+            self.stats.preemptions += 1
         self.waiting.appendleft(request)
-        self.stats.preemptions += 1
 
-    def _drop(self, seq: Sequence, reason: str) -> None:
-        self.stats.kv_dropped_tokens[reason] += seq.num_computed
+    def _drop(self, seq: Sequence, reason: str | None) -> None:
+        """Give the sequence's pages back; `reason`: for room, counted as EngineStats.kv_dropped_tokens."""
+        if reason is not None:
+            self.stats.kv_dropped_tokens[reason] += seq.num_computed
         self.cache.release(seq.table)
         seq.num_computed = 0
 

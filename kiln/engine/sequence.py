@@ -32,6 +32,10 @@ class Sequence:
     num_computed: int = 0
     closed: bool = False  # its session ended while a request ran: release the pages when it finishes
     owner: str | None = None  # its session's API key identity: the scheduler's fair share is per owner
+    session_id: str | None = None  # its session's id (the dashboard's in-flight requests name it)
+    # Positions its attention no longer reads (KVPolicy.forgotten: sink_window only), the most so far:
+    # kept when its K/V is given back for room, so a recompute does not count them again.
+    forgotten_tokens: int = 0
     seq_id: int = field(default_factory=lambda: next(_ids))
 
     @property
@@ -69,6 +73,9 @@ class Request:
     emit: Callable[[Event], None]
     stop_token_ids: frozenset[int]
     matcher: Matcher | None = None  # the grammar the generated text must match (params.constraint)
+    # Whose share of the batch slots it takes (kiln/engine/scheduler.py § Fair shares): an API key's
+    # identity, or on a server without keys its connection; None is the in-process API, one caller.
+    caller: str | None = None
     request_id: int = field(default_factory=lambda: next(_ids))
     prompt_tokens: int = 0
     reused_tokens: int = 0
@@ -106,3 +113,31 @@ class Request:
             prefilled_tokens=self.prompt_tokens - self.reused_tokens,
             generated_tokens=len(self.generated),
         )
+
+    def in_flight(self, state: str, now: float) -> InFlight:
+        """What the dashboard lists of it while the engine holds it (`now`: time.perf_counter())."""
+        seq = self.seq
+        prompt = len(seq.tokens) - len(self.generated)
+        return InFlight(
+            request_id=self.request_id, session_id=seq.session_id, owner=seq.owner if seq.session else self.caller,
+            state=state, age_s=now - self.submitted_at,
+            ttft_s=None if self.first_token_at is None else self.first_token_at - self.submitted_at,
+            prompt_tokens=prompt, computed_tokens=min(seq.num_computed, prompt),
+            generated_tokens=len(self.generated), max_tokens=self.params.max_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A request queued, running or paused now (Engine.in_flight): the dashboard's live table."""
+
+    request_id: int
+    session_id: str | None  # None: a stateless request
+    owner: str | None  # its session's owner, or (stateless) its caller: who may see it
+    state: str  # "queued" | "running" | "paused" (its client stopped reading)
+    age_s: float  # since it was submitted
+    ttft_s: float | None  # submission to first token; None before it
+    prompt_tokens: int  # the history it started from
+    computed_tokens: int  # of the prompt, tokens whose K/V is computed (prefill progress)
+    generated_tokens: int
+    max_tokens: int

@@ -13,7 +13,8 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # of those, tokens found through the prefix cache (not a session's own)
     generated_tokens: int = 0
     steps: int = 0
-    preemptions: int = 0
+    preemptions: int = 0  # running requests requeued for KV pages
+    fair_share_preemptions: int = 0  # running requests requeued for a caller under its share of the slots
     spec_verify_steps: int = 0  # decode rows that carried a speculative draft
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
@@ -25,6 +26,9 @@ class EngineStats:
     # whose consumer stopped reading), "waiting" (a queued request's sequence), "preempted" (a running
     # one). Their histories stay; the K/V is recomputed.
     kv_dropped_tokens: Counter[str] = field(default_factory=Counter)
+    # Positions `sink_window` sequences' attention stopped reading as their histories grew past sink +
+    # window (KVPolicy.forgotten; each sequence's Sequence.forgotten_tokens), counted once per sequence.
+    kv_forgotten_tokens: int = 0
     # Per-step peak of attention's transient buffers (gathered or streamed K/V, scores, merge state), as
     # accounted by the attention paths: the last step's and the largest so far. Not the resident pool.
     last_step_attention_bytes: int = 0

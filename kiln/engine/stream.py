@@ -52,6 +52,11 @@ class BaseStream:
     def request(self) -> Request | None:
         return self._request
 
+    @property
+    def cancel_requested(self) -> bool:
+        """Whether `cancel` was called: a submission still waiting (for its session's turn) gives up."""
+        return self._cancel_asked
+
     @request.setter
     def request(self, request: Request) -> None:
         with self._guard:

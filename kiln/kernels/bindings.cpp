@@ -103,5 +103,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8", released_when_long(&linear_int8, linear_work, kLinearReleaseWork),
         "weight-only int8 linear, packed weights and per-row scales (linear.cpp)");
   m.def("unpack", &unpack, "packed weights -> row-major float32 (linear.cpp)", py::call_guard<py::gil_scoped_release>());
-  m.def("page_format", &page_format, "the page format's constants (page_format.h), for kiln/kv/page_format.py to match");
+  m.def("page_format", &page_format, "the page format's constants (page_format.h), for page_format.py to match");
 }

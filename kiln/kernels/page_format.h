@@ -1,5 +1,5 @@
 // The KV page byte format as the kernels know it (kv_store.cpp writes it, attention.cpp reads it), defined
-// once for C++. Python's twin is kiln/kv/page_format.py; the extension exports these values (bindings.cpp,
+// once for C++. Python's twin is page_format.py beside it; the extension exports these values (bindings.cpp,
 // `page_format`) and tests/kernels/test_page_format.py checks that the two agree.
 //
 // A coded (token, head) row: codes, then one float16 scale per group of channels (and one float16 zero

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from kiln.errors import InvalidArgumentError
+from kiln.kernels.page_format import GROUP, INT4_MAX, INT8_MAX, TINY_SCALE
 from kiln.kv.layout import KVLayout
-from kiln.kv.page_format import GROUP, INT4_MAX, INT8_MAX, TINY_SCALE
 
 CODECS = ("none", "int8", "int4")
 FORMATS = {"none": (0, 0), "int8": (8, 8), "int4": (8, 4)}  # (key bits, value bits); 0 = the KV dtype as is

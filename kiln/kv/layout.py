@@ -13,8 +13,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import reduce
 from math import gcd
+from typing import Protocol
 
-from kiln.models.config import ModelConfig
+
+class ModelShape(Protocol):
+    """All the KV cache knows of a model (kiln.models.config.ModelConfig has it). Stated here, not imported:
+    the models sit above the KV cache (docs/architecture.md § Layers)."""
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    def window_of(self, layer: int) -> int | None:
+        """Number of most recent keys (the query's own included) a layer may attend to; None = all."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -34,7 +51,7 @@ class KVLayout:
     head_dim: int
 
     @classmethod
-    def for_model(cls, config: ModelConfig, page_size: int) -> KVLayout:
+    def for_model(cls, config: ModelShape, page_size: int) -> KVLayout:
         by_window: dict[int | None, list[int]] = {}
         for layer in range(config.num_layers):
             by_window.setdefault(config.window_of(layer), []).append(layer)

@@ -85,6 +85,17 @@ class KVPolicy:
         sink = min(recent, -(-self.sink_tokens // page_size))
         return [span for span in (range(0, sink), range(recent, num_pages)) if span]
 
+    def forgotten(self, num_tokens: int, page_size: int) -> int:
+        """Positions before `num_tokens` that a global group's query at `num_tokens` no longer reads:
+        under `sink_window` the whole pages between the sink and the window (the session has started
+        forgetting; its history keeps them), else 0 (`restore` streams them back). Never shrinks as
+        `num_tokens` grows."""
+        if self.name != "sink_window":
+            return 0
+        num_pages = -(-num_tokens // page_size)
+        read = sum(len(span) for span in self.readable(None, num_pages, num_tokens, page_size))
+        return (num_pages - read) * page_size
+
     def resident_limit(self, page_size: int) -> int | None:
         """Most pages a global group keeps between steps (see the module docstring); None = unbounded."""
         if self.name == "full":

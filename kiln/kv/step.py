@@ -18,9 +18,9 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from kiln.kernels.page_format import CHUNK_TOKENS
 from kiln.kv.codec import Segment
 from kiln.kv.layout import KVLayout
-from kiln.kv.page_format import CHUNK_TOKENS
 from kiln.kv.storage import PageStorage
 from kiln.kv.tiers import PageTiers
 

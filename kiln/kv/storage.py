@@ -19,9 +19,9 @@ import torch
 
 from kiln.kernels import kernels
 from kiln.kernels import supported as kernels_supported
+from kiln.kernels.page_format import KERNEL_DTYPES
 from kiln.kv.codec import KVCodec, Segment
 from kiln.kv.layout import KVLayout
-from kiln.kv.page_format import KERNEL_DTYPES
 
 
 class PageStorage:

@@ -9,17 +9,14 @@ sliding window and padding, and attends. Models never allocate pages or know how
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kiln.kernels import kernels
-from kiln.kv.page_format import CHUNK_TOKENS
+from kiln.kernels.page_format import CHUNK_TOKENS
+from kiln.kv.step import KVStep
 from kiln.models.streamed_attention import streamed_attention, tiered_attention
-
-if TYPE_CHECKING:  # kiln.kv imports the model config, hence this package
-    from kiln.kv.step import KVStep
 
 # Steps whose sequences have at most this many queries attend in place (the kernel reads a sequence's keys
 # once per block of its rows; gathering pads every sequence to the step's longest and builds a mask). The

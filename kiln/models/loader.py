@@ -24,6 +24,7 @@ from kiln.models.file_embedding import StoredRows
 from kiln.models.gguf_import import gguf_tensor_source, read_gguf
 from kiln.models.hf_config import config_from_hf
 from kiln.models.tensor_source import TensorSource, safetensors_source, shapes_of
+from kiln.startup import phase
 from kiln.tokenizer import Tokenizer
 
 # Files of an HF directory whose bytes decide the model's behaviour, besides the weights.
@@ -99,6 +100,7 @@ def _load_gguf(path: Path, cache: Path) -> LoadedModel:
     if entry.is_dir():
         config, table, tokenizer = weight_cache.read_entry(entry)
     else:
+        phase(f"describing {path.name} into the weight cache (once: its config, vocabulary and tensor table)")
         config, table, tokenizer = read_gguf(path)
         _checked(gguf_tensor_source(path, table, config), config, path)  # refused before it is cached
         weight_cache.write_entry(cache, key, config, table, tokenizer)

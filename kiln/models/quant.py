@@ -22,7 +22,7 @@ converted weights (see weight_cache) so later starts read it back.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,6 +34,7 @@ from torch import nn
 from kiln.errors import InvalidArgumentError
 from kiln.kernels import kernels
 from kiln.models.weight_cache import save_atomically
+from kiln.startup import progress
 
 if TYPE_CHECKING:
     from kiln.models.causal_lm import CausalLM
@@ -140,7 +141,11 @@ def quantize_model(
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     stored = load_file(cache_file) if cache_file is not None and fmt != "float32" and cache_file.exists() else None
     built: dict[str, QuantizedLinear] = {}
-    for name, linear in linears.items():
+    layers: Iterable[tuple[str, nn.Linear]] = linears.items()
+    if stored is None and fmt != "float32":
+        kept = f" (once: kept in {cache_file.parent})" if cache_file is not None else ""
+        layers = progress(layers, len(linears), f"converting the weights to {fmt}{kept}", "matrices")
+    for name, linear in layers:
         built[name] = _stored_layer(stored, name, fmt) or _quantized_layer(model, name, linear, fmt, tensors)
         if name != "lm_head":  # an untied head is swapped by use_head below
             parent, _, child = name.rpartition(".")

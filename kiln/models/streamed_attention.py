@@ -25,16 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from kiln.kernels import kernels
-from kiln.kv.page_format import CHUNK_TOKENS
-
-if TYPE_CHECKING:  # kiln.kv imports the model config, hence this package
-    from kiln.kv.codec import Segment
-    from kiln.kv.step import KVStep
+from kiln.kernels.page_format import CHUNK_TOKENS
+from kiln.kv.codec import Segment
+from kiln.kv.step import KVStep
 
 Load = Callable[[torch.Tensor, torch.Tensor], None]  # fills a chunk's K and V buffers
 

@@ -42,6 +42,7 @@ from kiln.errors import InvalidArgumentError
 from kiln.models.config import ModelConfig, RopeScaling
 from kiln.models.gguf_import import GGUFTensors
 from kiln.models.tensor_source import TensorSource, safetensors_source
+from kiln.startup import progress
 from kiln.tokenizer import Tokenizer
 
 # Bump whenever conversion output changes for the same source bytes: it is part of every fingerprint.
@@ -139,7 +140,9 @@ def read_weights(entry: Path) -> TensorSource:
 
 def write_weights(entry: Path, tensors: Mapping[str, torch.Tensor]) -> None:
     """Keep `tensors` as the entry's fp32 conversion, written whole then renamed into place."""
-    save_atomically(entry / _WEIGHTS_FILE, {name: tensor.contiguous() for name, tensor in tensors.items()})
+    converted = progress(tensors.items(), len(tensors), f"converting the weights to float32 (once: kept in {entry})",
+                         "tensors")
+    save_atomically(entry / _WEIGHTS_FILE, {name: tensor.contiguous() for name, tensor in converted})
 
 
 def save_atomically(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:

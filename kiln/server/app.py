@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import ipaddress
 import math
+import os
 import signal
 import socket
 import sys
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 
+from kiln import startup
 from kiln.engine.constraints import ConstraintCompiler, compiler_for
 from kiln.engine.engine import Engine
 from kiln.engine.stream import DEFAULT_STALL_TIMEOUT_S
@@ -42,6 +45,9 @@ from kiln.server.metrics import Metrics
 from kiln.server.quotas import Quotas
 from kiln.server.service import MAX_REQUEST_BYTES, RuntimeService, served_name
 from kiln.server.tls import TlsSettings
+
+EXIT_WAIT_S = 60.0  # after shutdown released every session: the most the process takes to end by itself
+STRAGGLER_WAIT_S = 2.0  # once the main thread is done: how long other threads still get
 
 
 @dataclass(frozen=True)
@@ -153,7 +159,9 @@ class ServingStack:
         return cls(keys, metrics, service, model_name, http_app)
 
 
-async def serve_async(llm: LLM, options: ServeOptions) -> None:
+async def serve_async(llm: LLM, options: ServeOptions, on_shut_down: Callable[[], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (or the engine dies), then shut down; `on_shut_down` is called once
+    every session is released (`serve` passes `exit_despite_stragglers`)."""
     stack = ServingStack.build(llm, options)
     keys, metrics, service, model_name, http_app = (stack.keys, stack.metrics, stack.service, stack.model_name,
                                                     stack.http_app)
@@ -164,6 +172,7 @@ async def serve_async(llm: LLM, options: ServeOptions) -> None:
                                    log_level="warning", lifespan="off", timeout_graceful_shutdown=2,
                                    **options.http_limits.uvicorn_kwargs(),
                                    **(options.tls.uvicorn_kwargs() if options.tls else {})))
+    startup.phase(f"listening on grpc={grpc_address} http={http_url(options)}")
     await grpc_server.start()
     http_task = asyncio.create_task(http.serve())
     while not http.started and not http_task.done():
@@ -188,6 +197,8 @@ async def serve_async(llm: LLM, options: ServeOptions) -> None:
     await stop.wait()
     try:
         await _shutdown(llm, service, grpc_server, http, http_task, options.shutdown_grace_s)
+        if on_shut_down is not None:
+            on_shut_down()
     finally:  # a dead engine is what the exit reports, even should the shutdown fail after it
         if (failure := llm.engine.failure) is not None:
             raise EngineFailedError(f"the engine failed while serving ({type(failure).__name__}: {failure})") from failure
@@ -219,7 +230,8 @@ def reload_keys_soon(keys: ApiKeys, path: str) -> None:
 
 def try_it(options: ServeOptions, auth: bool) -> str:
     """The dashboard's address, then three ways to talk to the server, printed once it is ready, each one the embedded base model does
-    well: a completion (curl), a session whose turns reuse its cache (the Python SDK), chat and JSON of a
+    well: a completion (curl), a session whose turns reuse its cache and that closes at the end, leaving
+    nothing saved (the Python SDK), chat and JSON of a
     bounded schema (the `openai` package). The scripts run as printed from the repository. With TLS,
     ca.pem stands for the CA that signed --tls-cert (and client.pem / client-key.pem for a client
     certificate, with --tls-client-ca)."""
@@ -240,8 +252,8 @@ Q&A transcript, see --chat-format):
 
   .venv/bin/python - <<'PY'
 {imports}from kiln.client import Client
-with Client("{options.host}:{options.grpc_port}"{sdk_key}{sdk_tls}, tokenizer="server") as client:
-    session = client.create_session()
+with Client("{options.host}:{options.grpc_port}"{sdk_key}{sdk_tls}, tokenizer="server") as client, \\
+        client.create_session() as session:  # closed at the end: nothing left saved on the server
     session.append_text("Questions and short answers.\\n")
     for question in ["What is the capital of France?", "And the capital of Italy?"]:
         session.append_text(f"Q: {{question}}\\nA:")  # each turn prefills only its new tokens
@@ -299,13 +311,35 @@ async def _shutdown(llm: LLM, service: RuntimeService, grpc_server, http: uvicor
 
 
 def serve(llm: LLM, options: ServeOptions) -> None:
-    for port in (options.grpc_port, options.http_port):
-        _check_port_free(options.host, port)
+    check_ports(options)
     for note in (ensure_fd_limit(options.http_limits), _wildcard_note(options)):
         if note:
             print(note, file=sys.stderr, flush=True)
     with options.access_log.writing():
-        asyncio.run(serve_async(llm, options))
+        asyncio.run(serve_async(llm, options, exit_despite_stragglers))
+
+
+def exit_despite_stragglers() -> None:
+    """Called once shutdown released every session: a daemon thread ends the process if it does not end by
+    itself, because a thread is stuck in a call (a worker of the HTTP or gRPC thread pools, which the
+    interpreter and asyncio.run wait for forever). The process gets EXIT_WAIT_S to finish closing (the
+    snapshot store included), then other threads get STRAGGLER_WAIT_S after the main thread is done; what
+    is still running then is named, and the process exits with status 1 without it."""
+    threading.Thread(target=_end_stragglers, name="kiln-exit-watch", daemon=True).start()
+
+
+def _end_stragglers() -> None:
+    main, me = threading.main_thread(), threading.current_thread()
+    main.join(EXIT_WAIT_S)
+    deadline = time.monotonic() + STRAGGLER_WAIT_S
+    for thread in threading.enumerate():
+        if thread not in (main, me) and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [thread.name for thread in threading.enumerate() if thread is not me and not thread.daemon and thread.is_alive()]
+    if stuck:
+        print(f"kiln serve: exiting although {len(stuck)} thread(s) did not end: {', '.join(stuck[:8])}",
+              file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def _warm(compiler: ConstraintCompiler) -> None:
@@ -322,11 +356,19 @@ def _wildcard_note(options: ServeOptions) -> str | None:
             "machine's other names or addresses: list them with --allowed-host")
 
 
-def _check_port_free(host: str, port: int) -> None:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as error:
-            raise InvalidArgumentError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+def check_ports(options: ServeOptions) -> None:
+    """Refuse, naming each flag to change, ports this server cannot listen on (in use, or not allowed):
+    `kiln serve` asks before it loads the model, so a busy port costs no load."""
+    problems = []
+    for flag, port in (("--grpc-port", options.grpc_port), ("--http-port", options.http_port)):
+        family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((options.host, port))
+            except OSError as error:
+                why = "is in use" if error.errno == errno.EADDRINUSE else f"cannot be listened on ({error.strerror})"
+                problems.append(f"{flag} {port} {why}")
+    if problems:
+        raise InvalidArgumentError(f"cannot serve on {options.host}: {' and '.join(problems)}; pick another with "
+                                   f"{' / '.join(problem.split()[0] for problem in problems)}")

@@ -7,9 +7,14 @@ Sessions not in memory but revivable from their snapshots ("evicted to snapshot"
 snapshot come from Persistence.saved: an index kept in memory as saves happen (the store is read once,
 manifests and blob sizes, never blobs), so they cost a reading a dictionary copy.
 
-Every caller shares the reading; `view` cuts it down to the sessions the caller may see (its own, or
-all for an admin key or with auth off). Aggregates (pool, counters, latency) are shown to every
-authenticated caller: they are what /metrics already publishes.
+The requests the engine holds now (queued, running, paused; stateless ones included) come from
+Engine.in_flight, one short engine-lock hold per reading. Latency percentiles cover the turns that
+finished in the last LATENCY_WINDOW_S and the ones in flight (their TTFT once they have a first token,
+their age so far as a turn time), so they fill while a long generation runs.
+
+Every caller shares the reading; `view` cuts it down to the sessions and requests the caller may see
+(its own, or all for an admin key or with auth off). Aggregates (pool, counters, latency) are shown to
+every authenticated caller: they are what /metrics already publishes.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from kiln.engine.sequence import Request
+from kiln.engine.sequence import InFlight, Request
 from kiln.llm import LLM
 from kiln.results import LiveSession
 from kiln.snapshots.manifest import KIND_SESSION, owner_digest, session_snapshot_id
@@ -68,6 +73,7 @@ class Reading:
     sessions: tuple[LiveSession, ...]
     snapshots: dict[str, SavedSnapshot] = field(default_factory=dict)
     evicted: tuple[SavedSnapshot, ...] = ()
+    requests: tuple[InFlight, ...] = ()
     taken_at: float = field(default_factory=time.monotonic)
     _encoded: dict[tuple[str | None, bool], bytes] = field(default_factory=dict, compare=False, repr=False)
 
@@ -76,7 +82,8 @@ class Reading:
         rows = [_row(s, self._own_snapshot(s.info.session_id), sees_all)
                 for s in self.sessions if sees_all or s.owner == owner]
         rows += [_evicted_row(saved, sees_all) for saved in self.evicted if sees_all or saved.owner == digest]
-        return {**self.overview, "sees_all": sees_all, "sessions": rows}
+        requests = [_request_row(r, sees_all) for r in self.requests if sees_all or r.owner == owner]
+        return {**self.overview, "sees_all": sees_all, "sessions": rows, "requests": requests}
 
     def _own_snapshot(self, session_id: str) -> SavedSnapshot | None:
         return self.snapshots.get(session_snapshot_id(session_id))
@@ -140,6 +147,7 @@ class DashboardState:
     def _read(self) -> Reading:
         llm, engine, store = self.llm, self.llm.engine, self.llm.sessions
         sessions = tuple(store.survey(everyone=True))
+        requests = tuple(engine.in_flight())
         persistence = llm.persistence
         saved = {snapshot.snapshot_id: snapshot for snapshot in persistence.saved()} if persistence is not None else {}
         resident = {session_snapshot_id(live.info.session_id) for live in sessions}
@@ -157,7 +165,7 @@ class DashboardState:
                          stats.prefill_tokens, stats.generated_tokens, sum(snapshots.saves.values()),
                          sum(snapshots.restores.values()), snapshots.bytes_written, snapshots.dedup_bytes,
                          _evicted_tokens(usage.evicted, stats.kv_dropped_tokens, kv_format.page_size))
-        self._sample(totals, usage)
+        self._sample(totals, usage, requests)
         overview = {
             "generated_at": time.time(),
             "health": self.health(),
@@ -189,11 +197,11 @@ class DashboardState:
             },
             "history": list(self._history),
         }
-        return Reading(overview, sessions, saved, evicted)
+        return Reading(overview, sessions, saved, evicted, requests)
 
-    def _sample(self, totals: _Totals, usage) -> None:  # noqa: ANN001 - PoolUsage
+    def _sample(self, totals: _Totals, usage, requests: tuple[InFlight, ...]) -> None:  # noqa: ANN001 - PoolUsage
         """Append a history point when HISTORY_STEP_S has passed since the last one: rates over the gap,
-        latency percentiles over the last LATENCY_WINDOW_S."""
+        latency percentiles over the turns of the last LATENCY_WINDOW_S and those in flight."""
         last = self._last
         if last is not None and totals.at - last.at < HISTORY_STEP_S:
             return
@@ -203,15 +211,15 @@ class DashboardState:
         span = totals.at - last.at
         prompt = totals.prompt - last.prompt
         recent = [f for f in list(self._finished) if f.at >= totals.at - LATENCY_WINDOW_S]
-        ttfts = [f.ttft_s for f in recent if f.ttft_s is not None]
+        ttfts = [f.ttft_s for f in recent if f.ttft_s is not None] + [r.ttft_s for r in requests if r.ttft_s is not None]
+        turns = [f.total_s for f in recent] + [r.age_s for r in requests]
         self._history.append({
             "t": time.time(), "used": usage.used, "cached": usage.cached, "free": usage.free,
             "hit_rate": (totals.reused - last.reused) / prompt if prompt else None,
             "reused": totals.reused - last.reused, "prefilled": totals.prefilled - last.prefilled,
             "decode_tps": (totals.generated - last.generated) / span,
             "ttft_p50": _percentile(ttfts, 50), "ttft_p95": _percentile(ttfts, 95),
-            "turn_p50": _percentile([f.total_s for f in recent], 50),
-            "turn_p95": _percentile([f.total_s for f in recent], 95),
+            "turn_p50": _percentile(turns, 50), "turn_p95": _percentile(turns, 95),
             "saves": totals.saves - last.saves, "restores": totals.restores - last.restores,
             "written_bps": (totals.written_bytes - last.written_bytes) / span,
             "dedup_bps": (totals.dedup_bytes - last.dedup_bytes) / span,
@@ -235,6 +243,15 @@ def _evicted_tokens(cached_pages: int, dropped: dict[str, int], page_size: int) 
     return {"cached": cached_pages * page_size, **{reason: dropped.get(reason, 0) for reason in EVICTION_REASONS[1:]}}
 
 
+def _request_row(request: InFlight, sees_all: bool) -> dict:
+    """A request in flight: whose session (None: stateless), its state, age and tokens so far."""
+    return {
+        "id": request.request_id, "session": request.session_id, "owner": _owner(owner_digest(request.owner), sees_all),
+        "state": request.state, "age_s": request.age_s, "ttft_s": request.ttft_s, "prompt": request.prompt_tokens,
+        "computed": request.computed_tokens, "generated": request.generated_tokens, "max_tokens": request.max_tokens,
+    }
+
+
 def _owner(digest: str, sees_all: bool) -> str | None:
     """The owner column (admin views only): a prefix of the owner's digest, which resident and evicted
     sessions both know."""
@@ -255,7 +272,7 @@ def _evicted_row(saved: SavedSnapshot, sees_all: bool) -> dict:
         "policy": saved.policy.partition(":")[0], "reused": None, "prefilled": None,
         "last_turn_s": None, "idle_s": max(0.0, time.time() - saved.saved_at), "ttl_s": saved.ttl_s,
         "state": EVICTED_STATE, "last_saved_at": saved.saved_at, "snapshot_bytes": saved.stored_bytes,
-        "unsaved": False, "save_failures": 0, "turns": 0,
+        "unsaved": False, "save_failures": 0, "turns": 0, "forgotten": None, "violations": 0,
     }
 
 
@@ -272,6 +289,7 @@ def _row(live: LiveSession, saved: SavedSnapshot | None, sees_all: bool) -> dict
         "state": _state(live), "last_saved_at": info.last_saved_at,
         "snapshot_bytes": saved.stored_bytes if saved is not None else None, "unsaved": info.unsaved_changes,
         "save_failures": info.save_failures, "turns": len(live.turns),
+        "forgotten": info.forgotten_tokens, "violations": info.invariant_violations,
     }
 
 

@@ -99,6 +99,16 @@ async def unless_disconnected(request: Request, work: Awaitable[T], streams: Seq
     """Await `work` (a non-streaming reply) unless the client disconnects first: then the
     generations are cancelled and CancelledError (499) is raised. `work` reads the streams in turn."""
     AsyncGenerationStream.read_in_turn(streams)
+    try:
+        return await unless_gone(request, work)
+    finally:
+        for stream in streams:
+            stream.cancel()
+
+
+async def unless_gone(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` unless the client disconnects first: then `work` is cancelled and CancelledError
+    (499) is raised. A generate waiting for its session's turn gives up so."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnect(request.receive))
     try:
@@ -109,8 +119,6 @@ async def unless_disconnected(request: Request, work: Awaitable[T], streams: Seq
     finally:
         watcher.cancel()
         task.cancel()
-        for stream in streams:
-            stream.cancel()
 
 
 async def _disconnect(receive: Receive) -> None:

@@ -213,7 +213,8 @@ class RuntimeServicer:
         worker thread."""
         async with self.call("Generate", context) as owner:
             message = _parse("Generate", request)
-            stream = await self.service.generate(owner, _session_id(message), _generate_request(message))
+            stream = await self.service.generate(owner, _session_id(message), _generate_request(message), context.peer(),
+                                                 context.time_remaining())
             try:
                 await context.send_initial_metadata(())
                 async with contextlib.aclosing(token_batches(stream)) as batches:

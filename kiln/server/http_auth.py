@@ -49,5 +49,12 @@ def caller(request: Request) -> str | None:
     return request.scope.get(_OWNER)
 
 
+def connection(request: Request) -> str | None:
+    """The connection a request came over, as RuntimeService.caller_of takes it: the client's address
+    and port (None when the server does not know it)."""
+    client = request.scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else None
+
+
 Owner = Annotated[str | None, Depends(caller)]
 """The authenticated caller (None when auth is off): the `owner` of every session call."""

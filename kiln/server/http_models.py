@@ -7,12 +7,23 @@ real clients send are accepted when Kiln honours them; fields that only describe
 RuntimeService/SamplingParams, the one place every transport shares (except OpenAI's narrower
 temperature range, checked on its bodies); the OpenAPI document (kiln/server/openapi.py) states the same ranges as
 `json_schema_extra`, documentation only, so a generated client knows them.
+
+A large body (LARGE_BODY_BYTES and up, to the server's 4 MiB limit) is parsed on a worker thread by
+`JsonBodyRoute`, not on the event loop every stream and probe shares. Parsing builds a Python object per
+JSON value under the interpreter lock, so a worker thread alone would still hold the loop for the whole
+parse: every number and object goes through a Python call, where the lock changes hands, and large
+bodies are parsed one at a time, so four 4 MiB bodies cost the loop short waits, not their whole parses.
 """
 
 from __future__ import annotations
 
+import json
+import threading
+from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal
 
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -24,11 +35,13 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from starlette.concurrency import run_in_threadpool
 
 from kiln.chat import OPENAI_ROLES
 from kiln.engine.constraints import Constraint
 from kiln.engine.sampler import (
     INT32_MAX,
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_OPENAI_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_STOP_LENGTH,
@@ -40,6 +53,7 @@ from kiln.kv.policy import POLICIES
 from kiln.server.service import GenerateRequest
 from kiln.sessions import MAX_TTL_S, MIN_TTL_S
 
+LARGE_BODY_BYTES = 64 << 10  # bodies this large are parsed on a worker thread (JsonBodyRoute)
 MAX_PROMPTS = 32  # prompts in one /v1/completions request
 MAX_CHOICES = 16  # `n`: choices per prompt
 MAX_OPENAI_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; Kiln's own APIs allow up to 100
@@ -169,13 +183,22 @@ class OpenAIBody(GenerateBody):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": MAX_OPENAI_TEMPERATURE})
     logit_bias: dict[str, float] | None = Field(None, json_schema_extra={  # token id -> value added to its logit
-        **NUMBER_IDS, "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})
+        **NUMBER_IDS, "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})
     response_format: ResponseFormat | None = None
     # describe the caller, not the generation: accepted and ignored
     user: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _few_entries(cls, bias: object) -> object:
+        """Counted before any entry is looked at: a huge map is refused for the price of its length."""
+        if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} entries (OpenAI's limit), got {len(bias)}")
+        return bias
 
     @field_validator("logit_bias")
     @classmethod
@@ -356,3 +379,45 @@ class TokenizeBody(Body):
 class DetokenizeBody(Body):
     token_ids: TokenIds
     skip_special_tokens: bool = False
+
+
+class JsonBodyRoute(APIRoute):
+    """A route whose large JSON body is parsed off the event loop (the module docstring says how)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handle = super().get_route_handler()
+
+        async def handler(request: Request) -> Response:
+            return await handle(_OffLoopJsonRequest(request.scope, request.receive))
+
+        return handler
+
+
+class _OffLoopJsonRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_parsed"):
+            body = await self.body()
+            self._parsed = json.loads(body) if len(body) < LARGE_BODY_BYTES else await run_in_threadpool(_parse_large, body)
+        return self._parsed
+
+
+_LARGE_PARSES = threading.Lock()  # one large body parsed at a time: the others wait without the interpreter lock
+
+
+def _parse_large(body: bytes) -> Any:
+    """json.loads, with a Python call per number and object: points where the interpreter lock can go
+    to the event loop (the C parser keeps it from start to end)."""
+    with _LARGE_PARSES:
+        return json.loads(body, parse_int=_int, parse_float=_float, object_hook=_same)
+
+
+def _int(text: str) -> int:
+    return int(text)
+
+
+def _float(text: str) -> float:
+    return float(text)
+
+
+def _same(value: dict[str, Any]) -> dict[str, Any]:
+    return value

@@ -39,8 +39,12 @@ class _EngineState(Collector):
         for state in ("used", "cached", "free"):
             pages.add_metric([state], getattr(usage, state))
         yield pages
-        yield GaugeMetricFamily("kiln_kv_bytes", "Bytes of KV pages holding K/V (used + cached)",
-                                value=(usage.used + usage.cached) * page_bytes)
+        kv_bytes = GaugeMetricFamily("kiln_kv_bytes", "Bytes of KV pages holding K/V by state: used (held by live "
+                                     "sessions and running requests), cached (the prefix cache, evictable)",
+                                     labels=["state"])
+        for state in ("used", "cached"):
+            kv_bytes.add_metric([state], getattr(usage, state) * page_bytes)
+        yield kv_bytes
         yield GaugeMetricFamily("kiln_kv_capacity_bytes", "Bytes of the whole KV page pool",
                                 value=engine.kv_pages * page_bytes)
         tiers = engine.tier_usage()
@@ -57,6 +61,9 @@ class _EngineState(Collector):
         yield _labelled_counter("kiln_kv_dropped_tokens", "Tokens whose K/V was given back for room, by whose "
                                 "(histories stay; the K/V is recomputed when needed)", "reason",
                                 stats.kv_dropped_tokens, ("idle", "paused", "waiting", "preempted"))
+        yield CounterMetricFamily("kiln_kv_forgotten_tokens", "Positions sink_window sessions' attention stopped "
+                                  "reading as their histories passed sink + window (their histories keep them)",
+                                  value=stats.kv_forgotten_tokens)
         yield CounterMetricFamily("kiln_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                   value=stats.prefix_hit_tokens)
         yield CounterMetricFamily("kiln_reused_tokens", "Prompt tokens whose K/V was resident (sessions and prefix cache)",
@@ -67,6 +74,8 @@ class _EngineState(Collector):
         yield _labelled_counter("kiln_generations", "Generations by finish reason", "reason",
                                 stats.requests_by_outcome, ("stop", "length", "cancelled", "error"))
         yield CounterMetricFamily("kiln_preemptions", "Requests preempted for KV pages", value=stats.preemptions)
+        yield CounterMetricFamily("kiln_fair_share_preemptions", "Requests requeued so that a caller under its share "
+                                  "of the batch slots gets one", value=stats.fair_share_preemptions)
         yield GaugeMetricFamily("kiln_generations_paused", "Generations set aside now because their clients stopped "
                                 "reading (pages kept, no steps)", value=stats.paused_now)
         yield CounterMetricFamily("kiln_generation_pauses", "Times a generation was paused because its client stopped reading",
@@ -140,6 +149,8 @@ class Metrics:
                                          buckets=SECONDS_BUCKETS, registry=self.registry)
         self.ttft = Histogram("kiln_time_to_first_token_seconds", "Submission to first token, per generate",
                               buckets=SECONDS_BUCKETS, registry=self.registry)
+        self.history_tokens = Histogram("kiln_session_history_tokens", "A session's history length at each turn "
+                                        "(Generate)", buckets=TOKEN_BUCKETS, registry=self.registry)
         llm.engine.add_finish_observer(self._observe_generate)
         self.snapshot_seconds = Histogram("kiln_snapshot_seconds", "Snapshot save (capture to durable) and restore "
                                           "(read and verify) time", ["op"], buckets=SECONDS_BUCKETS, registry=self.registry)
@@ -149,7 +160,10 @@ class Metrics:
             llm.persistence.add_observer(lambda op, seconds: self.snapshot_seconds.labels(op).observe(seconds))
 
     def _observe_generate(self, request: Request, reason: str) -> None:
-        self.prefill_tokens.observe(request.usage().prefilled_tokens)
+        usage = request.usage()
+        self.prefill_tokens.observe(usage.prefilled_tokens)
+        if request.seq.session:
+            self.history_tokens.observe(usage.prompt_tokens)
         if request.first_token_at is not None:
             self.ttft.observe(request.first_token_at - request.submitted_at)
             if request.admitted_at is not None:

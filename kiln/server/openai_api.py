@@ -44,9 +44,9 @@ from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError
 from kiln.results import GenerationResult, Usage
 from kiln.server.generation import Delta, SseResponse, deltas, start_all, unless_disconnected
-from kiln.server.http_auth import caller
+from kiln.server.http_auth import caller, connection
 from kiln.server.http_errors import ModelNotFoundError
-from kiln.server.http_models import ChatBody, CompletionBody, NamedToolChoice, OpenAIBody
+from kiln.server.http_models import ChatBody, CompletionBody, JsonBodyRoute, NamedToolChoice, OpenAIBody
 from kiln.server.service import RuntimeService, naming
 from kiln.tokenizer import Tokenizer
 from kiln.tools import (
@@ -273,7 +273,7 @@ class OpenAIRoutes:
         return self.service.llm.tokenizer
 
     def router(self) -> APIRouter:
-        router = APIRouter(prefix="/v1")
+        router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
         router.add_api_route("/completions", self.completions, methods=["POST"])
         router.add_api_route("/chat/completions", self.chat_completions, methods=["POST"])
         router.add_api_route("/models", self.models, methods=["GET"])
@@ -349,7 +349,8 @@ class OpenAIRoutes:
                            else generate.max_tokens)
         try:
             groups = await start_all([functools.partial(self.service.complete_choices, prompt, generate, body.n,
-                                                        caller(request)) for prompt in plan.prompts])
+                                                        caller(request), connection(request))
+                                      for prompt in plan.prompts])
         except InvalidArgumentError as error:  # the engine names its own fields; name the request's
             error.param = body.field_name(error.param)
             raise

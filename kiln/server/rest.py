@@ -37,13 +37,14 @@ from fastapi.responses import JSONResponse, Response
 
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.results import GenerationResult, SessionInfo
-from kiln.server.generation import Output, SseResponse, collect, deltas, unless_disconnected
-from kiln.server.http_auth import Owner
+from kiln.server.generation import Output, SseResponse, collect, deltas, unless_disconnected, unless_gone
+from kiln.server.http_auth import Owner, connection
 from kiln.server.http_models import (
     AppendBody,
     CreateSessionBody,
     DetokenizeBody,
     ForkBody,
+    JsonBodyRoute,
     SessionGenerateBody,
     TokenizeBody,
 )
@@ -58,7 +59,7 @@ class SessionRoutes:
         self.service = service
 
     def router(self) -> APIRouter:
-        router = APIRouter(prefix="/v1")
+        router = APIRouter(prefix="/v1", route_class=JsonBodyRoute)
         routes = [
             ("/sessions", self.create, "POST", 201),
             ("/sessions", self.list_sessions, "GET", 200),
@@ -121,7 +122,7 @@ class SessionRoutes:
 
     async def generate(self, session_id: str, owner: Owner, request: Request,
                        body: SessionGenerateBody = _EMPTY_GENERATE) -> Response:
-        stream = await self.service.generate(owner, session_id, body.generate_request())
+        stream = await unless_gone(request, self.service.generate(owner, session_id, body.generate_request(), connection(request)))
         if body.stream:
             return SseResponse(self._events(stream, body.stop_strings), [stream])
         output = await unless_disconnected(request, collect(stream, self.service.llm.tokenizer, body.stop_strings),

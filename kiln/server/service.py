@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import re
+import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -23,6 +26,10 @@ from kiln.server.quotas import MeteredStream, Quotas
 T = TypeVar("T")
 
 MAX_REQUEST_BYTES = 4 << 20  # largest request body on both transports: gRPC's own default receive limit
+# Threads that submit session generates, which may wait for their session's turn: their own pool, so
+# waiting generates never hold the threads every other call runs on. More wait for a thread, their
+# deadlines running.
+SESSION_GENERATE_THREADS = 64
 
 
 class ShuttingDownError(KilnError):
@@ -69,6 +76,7 @@ class RuntimeService:
         self.model_name = model_name
         self.aliases = tuple(alias for alias in aliases if alias != model_name)
         self.accepting = True
+        self._session_generates = ThreadPoolExecutor(SESSION_GENERATE_THREADS, thread_name_prefix="kiln-session-generate")
 
     @property
     def sessions(self):  # noqa: ANN201 - the SessionStore
@@ -126,14 +134,22 @@ class RuntimeService:
         self.sessions.append(session_id, list(tokens), owner)
         return self.sessions.info(session_id, owner)
 
-    async def generate(self, owner: str | None, session_id: str, request: GenerateRequest) -> AsyncGenerationStream:
+    async def generate(self, owner: str | None, session_id: str, request: GenerateRequest,
+                       connection: str | None = None, timeout_s: float | None = None) -> AsyncGenerationStream:
         """Await on the event loop that consumes the stream. The submission itself (session and engine
-        locks) runs on a worker thread: the loop never waits on a lock."""
+        locks, and the wait for the session's turn, SessionStore.generate) runs on a worker thread: the
+        loop never waits on a lock. `connection`: the transport's name for the connection the call came
+        over (caller_of). `timeout_s`: the seconds left to the caller's deadline (None: it set none).
+        The key's quotas are checked once it is this generate's turn, so a retry queued behind its
+        cancelled predecessor is not refused for the slot that one still holds."""
         self._admit()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         stream = self._stream()
         params = self.sampling_params(request)
-        await submitted([stream], lambda: self.quotas.admitted(
-            owner, [stream], lambda: self.sessions.generate(session_id, params, owner, stream), session=True))
+        caller = caller_of(owner, connection)
+        await submitted([stream], lambda: self.sessions.generate(
+            session_id, params, owner, stream, caller, deadline=deadline,
+            admit=lambda start: self.quotas.admitted(owner, [stream], start, session=True)), self._session_generates)
         return stream
 
     def fork(self, owner: str | None, session_id: str, at: int | None = None) -> SessionInfo:
@@ -176,23 +192,27 @@ class RuntimeService:
 
     # ---- stateless ----------------------------------------------------------------------------------
 
-    async def complete(self, tokens: Sequence[int], request: GenerateRequest, owner: str | None = None) -> AsyncGenerationStream:
+    async def complete(self, tokens: Sequence[int], request: GenerateRequest, owner: str | None = None,
+                       connection: str | None = None) -> AsyncGenerationStream:
         """A stateless generation: shares cached pages with any earlier request of the same prefix.
         Submitted from a worker thread, like `generate`."""
         self._admit()
         stream = self._stream()
         params = self.sampling_params(request)
-        await submitted([stream], lambda: self.quotas.admitted(owner, [stream], lambda: self.llm.start(list(tokens), params, stream)))
+        caller = caller_of(owner, connection)
+        await submitted([stream], lambda: self.quotas.admitted(
+            owner, [stream], lambda: self.llm.start(list(tokens), params, stream, caller)))
         return stream
 
     async def complete_choices(self, tokens: Sequence[int], request: GenerateRequest, n: int,
-                               owner: str | None = None) -> list[AsyncGenerationStream]:
+                               owner: str | None = None, connection: str | None = None) -> list[AsyncGenerationStream]:
         """`n` stateless generations of one prompt that compute it once (LLM.start_choices)."""
         self._admit()
         streams = [self._stream() for _ in range(n)]
         params = self.sampling_params(request)
+        caller = caller_of(owner, connection)
         return await submitted(streams, lambda: self.quotas.admitted(
-            owner, streams, lambda: self.llm.start_choices(list(tokens), params, streams)))
+            owner, streams, lambda: self.llm.start_choices(list(tokens), params, streams, caller)))
 
     def tokenize(self, text: str, add_special_tokens: bool = False, param: str = "text") -> list[int]:
         """Text that cannot be tokenized (a lone surrogate) is refused naming `param`, its request field."""
@@ -225,6 +245,16 @@ class RuntimeService:
         self.accepting = False
 
 
+def caller_of(owner: str | None, connection: str | None) -> str | None:
+    """Whose share of the batch slots a generation takes (Request.caller): its API key's identity, or on
+    a server without keys the connection it came over (the transport's name for it: HTTP's client
+    address and port, gRPC's peer). Without keys nothing tells clients apart, so one that opens several
+    connections has a share for each; SECURITY.md says so."""
+    if owner is not None:
+        return owner
+    return None if connection is None else f"connection {connection}"
+
+
 @contextlib.contextmanager
 def naming(param: str) -> Iterator[None]:
     """An InvalidArgumentError raised inside that names no request field is about `param` (the
@@ -236,14 +266,16 @@ def naming(param: str) -> Iterator[None]:
         raise
 
 
-async def submitted(streams: Sequence[AsyncGenerationStream], submit: Callable[[], T]) -> T:
-    """`submit()` (which may wait for the store and engine locks) on a worker thread. Should the
-    awaiting caller be cancelled meanwhile (its RPC cancelled, its client gone), or the submission fail,
-    the streams are cancelled: a request the worker submits afterwards is cancelled as it is accepted
-    (BaseStream remembers the cancel), so no orphaned generation keeps running or keeps a session busy."""
+async def submitted(streams: Sequence[AsyncGenerationStream], submit: Callable[[], T], executor: Executor | None = None) -> T:
+    """`submit()` (which may wait for the store and engine locks, or a session's turn) on a worker thread
+    of `executor` (None: the loop's default), in the caller's context. Should the awaiting caller be
+    cancelled meanwhile (its RPC cancelled, its client gone), or the submission fail, the streams are
+    cancelled: a submission still waiting for its turn gives up, and a request the worker submits
+    afterwards is cancelled as it is accepted (BaseStream remembers the cancel), so no orphaned
+    generation keeps running or keeps a session busy."""
     access_log.track(streams)  # the request's log line counts their tokens
     try:
-        return await asyncio.to_thread(submit)
+        return await asyncio.get_running_loop().run_in_executor(executor, contextvars.copy_context().run, submit)
     except BaseException:
         for stream in streams:
             stream.cancel()

@@ -29,6 +29,7 @@ CODECS = (CODEC_ZSTD, CODEC_RAW)
 LEVEL = 1
 WORTH_COMPRESSING = 0.8  # compressed over raw bytes below which zstd is used
 SAMPLE_PAGES = 4  # pages compressed to decide (spread over the save's new pages)
+VERIFY_CHUNK = 2**20  # bytes of a page `verify` holds at a time
 _local = threading.local()  # zstd contexts are not thread-safe; one pair per thread
 
 
@@ -52,20 +53,54 @@ def choose_codec(sample: list[bytes | memoryview]) -> str:
     return CODEC_ZSTD if raw and packed < WORTH_COMPRESSING * raw else CODEC_RAW
 
 
+def max_blob_bytes(page_bytes: int) -> int:
+    """The most bytes a page's blob can hold: the page itself, or zstd's worst-case frame of it
+    (ZSTD_COMPRESSBOUND, frame header included)."""
+    small = (128 * 1024 - page_bytes) >> 11 if page_bytes < 128 * 1024 else 0
+    return page_bytes + (page_bytes >> 8) + small
+
+
 def decode(blob: bytes | memoryview, expected_digest: str, size: int) -> bytes | memoryview:
     """The raw page of a blob, checked: exactly `size` bytes whose SHA-256 is `expected_digest`.
-    FailedPreconditionError for a truncated, corrupt or mismatched blob."""
+    FailedPreconditionError for a truncated, corrupt or mismatched blob. `size` bounds the decompression:
+    a restore passes its engine's own page size."""
     if len(blob) == size and digest(blob) == expected_digest:
         return blob
     try:
         raw = _contexts()[1].decompress(blob, max_output_size=size)
     except zstandard.ZstdError as error:
-        raise FailedPreconditionError(f"page blob {expected_digest[:16]} is corrupt ({error})") from None
+        raise _refused(expected_digest, f"is corrupt ({error})") from None
     if len(raw) != size:
-        raise FailedPreconditionError(f"page blob {expected_digest[:16]} holds {len(raw)} bytes, a page has {size}")
+        raise _refused(expected_digest, f"holds {len(raw)} bytes, a page has {size}")
     if digest(raw) != expected_digest:
-        raise FailedPreconditionError(f"page blob {expected_digest[:16]} does not match its digest (corrupt)")
+        raise _refused(expected_digest, "does not match its digest (corrupt)")
     return raw
+
+
+def verify(blob: bytes | memoryview, expected_digest: str, size: int) -> None:
+    """What `decode` checks, in bounded memory whatever `size` is: the blob is decompressed and hashed
+    VERIFY_CHUNK bytes at a time, refused at the first byte past `size`. An import checks pages of a shape
+    no loaded model vouches for (a file claiming huge pages of zeros must not cost their size in memory)."""
+    if len(blob) == size and digest(blob) == expected_digest:
+        return
+    hasher, total = hashlib.sha256(), 0
+    try:
+        with _contexts()[1].stream_reader(blob) as reader:
+            while chunk := reader.read(VERIFY_CHUNK):
+                total += len(chunk)
+                if total > size:
+                    raise _refused(expected_digest, f"holds more than {size} bytes, a page's size")
+                hasher.update(chunk)
+    except zstandard.ZstdError as error:
+        raise _refused(expected_digest, f"is corrupt ({error})") from None
+    if total != size:
+        raise _refused(expected_digest, f"holds {total} bytes, a page has {size}")
+    if hasher.hexdigest() != expected_digest:
+        raise _refused(expected_digest, "does not match its digest (corrupt)")
+
+
+def _refused(expected_digest: str, why: str) -> FailedPreconditionError:
+    return FailedPreconditionError(f"page blob {expected_digest[:16]} {why}")
 
 
 def _contexts() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:

@@ -3,8 +3,9 @@
 
 An export is one portable file: an uncompressed tar of `manifest.json` and `blobs/<digest>.zst`, every
 blob the manifest references as the store holds it (a raw page or a zstd frame, blobs.py; the name is
-format 1's, so exports of either format import). Import verifies each blob (decoded size and SHA-256) before it
-stores anything, then saves like a server would: blobs first, manifest last.
+format 1's, so exports of either format import). Import reads the file as a stream in bounded steps and
+verifies the manifest and each blob (decoded size and SHA-256, in bounded memory) before it stores
+anything (`read_export`), then saves like a server would: blobs first, manifest last.
 """
 
 from __future__ import annotations
@@ -14,17 +15,23 @@ import io
 import json
 import tarfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from kiln.errors import FailedPreconditionError, InvalidArgumentError
 from kiln.snapshots import blobs
-from kiln.snapshots.manifest import Manifest, check_snapshot_id
-from kiln.snapshots.store import SnapshotStore, default_directory, open_store
+from kiln.snapshots.instance import EMBEDDED_INSTANCE, default_directory
+from kiln.snapshots.manifest import MAX_MANIFEST_BYTES, Manifest, check_snapshot_id
+from kiln.snapshots.store import SnapshotStore, open_store
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("snapshot", help="list, inspect, export, import and garbage-collect snapshots")
-    parser.add_argument("--snapshot-dir", default=None, help=f"snapshot directory (default {default_directory()})")
+    parser.add_argument("--snapshot-dir", default=None,
+                        help="snapshot directory (default: --instance-id's own, as kiln serve's)")
+    parser.add_argument("--instance-id", default=EMBEDDED_INSTANCE,
+                        help="the `kiln serve` instance whose own snapshot directory to use (kiln/snapshots/instance.py)")
     parser.add_argument("--snapshot-store", default=None, help="snapshot store URL instead (redis://host:port/db)")
     actions = parser.add_subparsers(dest="action", required=True)
     actions.add_parser("list", help="every snapshot in the store")
@@ -40,8 +47,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
+MANIFEST_MEMBER = "manifest.json"
+# What a compressed file starts with: an export is never compressed (its pages are, where that pays), and a
+# compressed archive would have to be inflated, whatever size it claims, before its members could be read.
+COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x28\xb5\x2f\xfd": "zstd"}
+
+
 def run(args: argparse.Namespace) -> None:
-    store = open_store(args.snapshot_store or args.snapshot_dir or default_directory())
+    store = open_store(args.snapshot_store or args.snapshot_dir or default_directory(args.instance_id))
     try:
         print(ACTIONS[args.action](store, args))
     finally:
@@ -75,7 +88,7 @@ def gc(store: SnapshotStore, args: argparse.Namespace) -> str:
 def export(store: SnapshotStore, args: argparse.Namespace) -> str:
     manifest = store.require_manifest(check_snapshot_id(args.snapshot_id))
     with tarfile.open(args.file, "w") as archive:
-        _add(archive, "manifest.json", manifest.to_json())
+        _add(archive, MANIFEST_MEMBER, manifest.to_json())
         for digest in sorted(manifest.digests()):
             blob = store.get_blob(digest)
             if blob is None:
@@ -85,23 +98,74 @@ def export(store: SnapshotStore, args: argparse.Namespace) -> str:
 
 
 def import_file(store: SnapshotStore, args: argparse.Namespace) -> str:
-    try:
-        with tarfile.open(args.file, "r") as archive:
-            files = {member.name: archive.extractfile(member).read() for member in archive.getmembers() if member.isfile()}
-    except (OSError, tarfile.TarError) as error:
-        raise InvalidArgumentError(f"{args.file} is not a snapshot export: {error}") from None
-    if "manifest.json" not in files:
-        raise InvalidArgumentError(f"{args.file} is not a snapshot export: no manifest.json")
-    manifest = Manifest.from_json(files["manifest.json"], Path(args.file).name)
-    stored = {}
-    for digest in manifest.digests():
-        blob = files.get(f"blobs/{digest}.zst")
-        if blob is None:
-            raise FailedPreconditionError(f"{args.file}: page blob {digest[:16]} is missing")
-        blobs.decode(blob, digest, manifest.shape.page_bytes)  # verified before anything is stored
-        stored[digest] = blob
+    manifest, stored = read_export(Path(args.file))
     report = store.save(manifest, stored)
     return f"imported {manifest.snapshot_id} ({report.blobs_written} new blobs, {report.blobs_deduplicated} already stored)"
+
+
+def read_export(path: Path) -> tuple[Manifest, dict[str, bytes]]:
+    """An export's manifest and blobs, every one verified before anything is stored, read as a stream in
+    bounded steps: `manifest.json` first (at most MAX_MANIFEST_BYTES, validated), then only the blobs it
+    names, each at most a page's worst-case zstd frame and checked in bounded memory (blobs.verify).
+    Anything else refuses the file: a compressed archive, another member, a link, a pax or GNU header
+    (which tarfile would read whole, whatever size it claims). InvalidArgumentError for what is not an
+    export, FailedPreconditionError for an export whose contents fail verification."""
+    where = path.name
+    try:
+        with open(path, "rb") as file:
+            head = file.read(8)
+            kind = next((name for magic, name in COMPRESSED.items() if head.startswith(magic)), None)
+            if kind is not None:
+                raise InvalidArgumentError(f"{where} is {kind}-compressed; an export is an uncompressed tar "
+                                           "(as `kiln snapshot export` writes it): decompress it first")
+            file.seek(0)
+            members = _members(file, where)
+            first = next(members, None)
+            if first is None or first.name != MANIFEST_MEMBER:
+                raise InvalidArgumentError(f"{where} is not a snapshot export: its first member is not {MANIFEST_MEMBER}")
+            manifest = Manifest.from_json(_read(file, first, MAX_MANIFEST_BYTES, where), where)
+            wanted = {f"blobs/{digest}.zst": digest for digest in manifest.digests()}
+            limit = blobs.max_blob_bytes(manifest.shape.page_bytes)
+            found: dict[str, bytes] = {}
+            for member in members:
+                digest = wanted.get(member.name)
+                if digest is None or digest in found:
+                    raise InvalidArgumentError(f"{where}: member {member.name[:80]!r} is not a blob its manifest "
+                                               "names (or is there twice)")
+                found[digest] = _read(file, member, limit, where)
+                blobs.verify(found[digest], digest, manifest.shape.page_bytes)
+    except OSError as error:
+        raise InvalidArgumentError(f"{where} is not a snapshot export: {error}") from None
+    lost = wanted.values() - found.keys()
+    if lost:
+        raise FailedPreconditionError(f"{where}: page blob {min(lost)[:16]} is missing")
+    return manifest, found
+
+
+def _members(file: BinaryIO, where: str) -> Iterator[tarfile.TarInfo]:
+    """The members of an uncompressed tar, one header at a time (the caller reads each one's data with
+    `_read` before asking for the next): plain files only."""
+    while (block := file.read(tarfile.BLOCKSIZE)) and block.count(0) != len(block):
+        try:
+            member = tarfile.TarInfo.frombuf(block, "utf-8", "strict")
+        except (tarfile.HeaderError, UnicodeDecodeError) as error:
+            raise InvalidArgumentError(f"{where} is not a snapshot export: a damaged tar header ({error})") from None
+        if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
+            raise InvalidArgumentError(f"{where}: member {member.name[:80]!r} is not a plain file (links, folders, "
+                                       "pax and GNU headers are refused)")
+        yield member
+
+
+def _read(file: BinaryIO, member: tarfile.TarInfo, limit: int, where: str) -> bytes:
+    """A member's data, refused unread if it claims more than `limit` bytes."""
+    if member.size > limit:
+        raise InvalidArgumentError(f"{where}: member {member.name[:80]!r} claims {member.size} bytes, more than the "
+                                   f"{limit} it may hold")
+    data = file.read(member.size)
+    if len(data) != member.size:
+        raise InvalidArgumentError(f"{where} is truncated (in {member.name[:80]!r})")
+    file.seek(-member.size % tarfile.BLOCKSIZE, io.SEEK_CUR)
+    return data
 
 
 def _add(archive: tarfile.TarFile, name: str, data: bytes) -> None:

@@ -6,7 +6,7 @@
     ROOT/tmp/                      files being written (a crash leaves them here; gc removes them)
     ROOT/lock                      flock: saves hold it shared, gc exclusive
     ROOT/packs/lock                flock: a save holds it exclusive while it finds and packs the absent blobs
-    ROOT/leases/<name>.json        a lease: holder, fencing token, expiry (wall-clock seconds)
+    ROOT/leases/<name>.json        a lease: holder, fencing token, holder process (host, pid), expiry (wall-clock seconds)
     ROOT/leases/tokens             the last fencing token granted (one counter for every name)
     ROOT/leases/lock               flock: lease changes hold it exclusive, fenced writes and reads shared
 
@@ -62,6 +62,8 @@ from kiln.snapshots.store import (
     check_lease_name,
     check_lease_request,
     lease_lost,
+    stored_lease,
+    this_host,
 )
 
 try:
@@ -70,7 +72,7 @@ except (OSError, AttributeError):  # not Linux: fsync each file and directory in
     _syncfs = None
 LISTING_SLACK_S = 1.0  # filesystem timestamps tick coarsely (and may lag the wall clock a little)
 LISTING_INTERVAL_S = 1.0  # how stale a process's view of other processes' new packs may be
-LEASE_FILE_MAX = 4096  # a lease file's bytes: a holder id, a token, an expiry
+LEASE_FILE_MAX = 4096  # a lease file's bytes: a holder id, a token, its process, an expiry
 
 
 class DirectoryStore(SnapshotStore):
@@ -335,7 +337,7 @@ class DirectoryStore(SnapshotStore):
                 raise LeaseHeldError(f"{name} is leased to {current.holder} for another "
                                      f"{current.expires_at - time.time():.1f} s", current.holder, current.expires_at)
             token = current.token if current is not None else self._next_token()
-            return self._write_lease(Lease(name, holder, token, time.time() + ttl_s))
+            return self._write_lease(Lease(name, holder, token, time.time() + ttl_s, this_host(), os.getpid()))
 
     def renew_leases(self, leases: Sequence[Lease], ttl_s: float) -> list[Lease | LeaseLostError]:
         for lease in leases:
@@ -484,16 +486,20 @@ class DirectoryStore(SnapshotStore):
 
 def _lease_bytes(lease: Lease) -> bytes:
     """A lease file's contents; the expiry has a fixed width, so a renewal rewrites the same bytes' span."""
-    return f'{{"holder": {json.dumps(lease.holder)}, "token": {lease.token}, "expires_at": {lease.expires_at:.6f}}}'.encode()
+    return (f'{{"holder": {json.dumps(lease.holder)}, "token": {lease.token}, "host": {json.dumps(lease.host)}, '
+            f'"pid": {lease.pid}, "expires_at": {lease.expires_at:.6f}}}').encode()
 
 
 def _parse_lease(name: str, raw: bytes) -> Lease | None:
     """None if unreadable (a file torn by a crash of the machine, whose holders died with it)."""
     try:
         fields = json.loads(raw)
-        return Lease(name, str(fields["holder"]), int(fields["token"]), float(fields["expires_at"]))
-    except (ValueError, TypeError, KeyError):
+    except ValueError:
         return None
+    if not isinstance(fields, dict):
+        return None
+    return stored_lease(name, fields.get("holder"), fields.get("token"), fields.get("expires_at"),
+                        fields.get("host", ""), fields.get("pid", 0))  # no host or pid in older lease files
 
 
 def _fsync_dir(path: Path) -> None:

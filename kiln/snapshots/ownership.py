@@ -14,8 +14,13 @@ store (unique among live ones; `kiln serve` derives it from the host and its gRP
 sets it; an in-process LLM without one gets a random id), the incarnation is random per process. The
 rule for restarts: a lease held by another incarnation of this same instance id belongs to a process
 that is gone (only one process runs an instance id at a time), so this process takes it over at once
-instead of waiting out its TTL. Any other holder's live lease refuses the session with
-FailedPreconditionError: it is live on another server until that lease is released or lapses.
+instead of waiting out its TTL. So does a lease whose process is known to have exited: every lease
+records the host (host name, boot id, pid namespace: `store.this_host`) and pid of the process that took
+it, and a lease of this host whose pid no longer runs belongs to a process that ended without handing
+off (killed, or exited without closing). Any other holder's live lease refuses the session with
+FailedPreconditionError: it is live on another server until that lease is released or lapses. A pid
+reused since by another process only makes the taker wait out the TTL, as for a live holder; the fence
+keeps a holder wrongly judged gone from writing anything.
 
 A renewal the store refuses (LeaseLostError) means the session was lost: it is served no longer here
 (`lost`), and its queued saves are dropped by the fence. Other renewal failures (the store unreachable)
@@ -25,6 +30,7 @@ are retried; a lease that lapses meanwhile is lost at the next renewal.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -38,7 +44,7 @@ from kiln.errors import (
     LeaseHeldError,
     LeaseLostError,
 )
-from kiln.snapshots.store import Lease, SnapshotStore
+from kiln.snapshots.store import Lease, SnapshotStore, this_host
 
 logger = logging.getLogger(__name__)
 LEASE_TTL_S = 30.0  # how long a dead server's sessions stay locked (other instance ids wait this out)
@@ -70,31 +76,41 @@ class Ownership:
 
     def acquire(self, session_id: str) -> None:
         """Own the session here (again): FailedPreconditionError if another server's lease on it is live;
-        a lease of this instance's previous incarnation is taken over at once. Store failures raise their
+        a lease whose holder is known gone (`_gone`) is taken over at once. Store failures raise their
         typed errors (UnavailableError)."""
         try:
             lease = self.store.acquire_lease(session_id, self.holder, self.ttl_s)
-        except LeaseHeldError as held:
-            if not self._mine_before(held.holder):
-                raise FailedPreconditionError(
-                    f"session {session_id} is live on another server ({held.holder}); ask that server, or retry "
-                    f"once it hands the session off (its lease lapses in {max(0.0, held.expires_at - time.time()):.0f} s "
-                    "unless renewed)") from None
-            lease = self._take_over(session_id, held.holder)
+        except LeaseHeldError:
+            lease = self._take_over(session_id)
         with self._lock:
             held = self._held.get(session_id)
             self._held[session_id] = _Held(lease, held.claims + 1 if held else 1)
             self._lost.pop(session_id, None)
 
-    def _mine_before(self, holder: str) -> bool:
-        instance, _, incarnation = holder.rpartition("/")
-        return instance == self.instance_id and holder != self.holder and bool(incarnation)
+    def _gone(self, lease: Lease) -> str | None:
+        """Why the lease's holder is known to be gone, or None if it may be alive: a previous incarnation
+        of this instance id, or a process of this host (same boot and pid namespace) that no longer runs."""
+        instance, _, incarnation = lease.holder.rpartition("/")
+        if instance == self.instance_id and lease.holder != self.holder and incarnation:
+            return "this instance's previous process"
+        if lease.host and lease.host == this_host() and 0 < lease.pid != os.getpid() and not _running(lease.pid):
+            return f"process {lease.pid} of this host, which has exited"
+        return None
 
-    def _take_over(self, session_id: str, previous: str) -> Lease:
+    def _take_over(self, session_id: str) -> Lease:
+        """Acquire a session whose lease another holder had a moment ago: its live lease refuses the
+        session unless its holder is gone, whose very grant is then released (compare-and-delete, so a
+        holder that renewed or took it meanwhile keeps it) before this process acquires it."""
         current = self.store.lease_of(session_id)
-        if current is not None and current.holder == previous:
+        if current is not None:
+            gone = self._gone(current)
+            if gone is None:
+                raise FailedPreconditionError(
+                    f"session {session_id} is live on another server ({current.holder}); ask that server, or retry "
+                    f"once it hands the session off (its lease lapses in {max(0.0, current.expires_at - time.time()):.0f} s "
+                    "unless renewed)")
             self.store.release_lease(current)
-            logger.info("session %s: took over the lease of this instance's previous process %s", session_id, previous)
+            logger.info("session %s: took over the lease of %s (%s)", session_id, current.holder, gone)
         try:
             return self.store.acquire_lease(session_id, self.holder, self.ttl_s)
         except LeaseHeldError as held:
@@ -141,8 +157,8 @@ class Ownership:
             return list(self._held)
 
     def close(self) -> None:
-        """Stop renewing; leases still held lapse after their TTL (this instance's next process takes
-        them over at once)."""
+        """Stop renewing; leases still held lapse after their TTL (this instance's next process, and once
+        this process has exited any process of this host, takes them over at once)."""
         self._stop.set()
         self._renewer.join()
 
@@ -176,3 +192,14 @@ class Ownership:
         self._lost[session_id] = None
         while len(self._lost) > LOST_REMEMBERED:
             self._lost.popitem(last=False)
+
+
+def _running(pid: int) -> bool:
+    """Whether a process of this pid runs on this host (one of another user's counts: it may not be signalled)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -7,7 +7,8 @@
     kiln:owner:<digest>       set of one owner's manifest ids (what a caller's ListSnapshots reads)
     kiln:writer:<token>       lease of a save in flight (value: its token)
     kiln:gc                   lease of a gc in flight (value: its token)
-    kiln:lease:<name>         a session lease: hash of holder and fencing token, expiring by PEXPIRE
+    kiln:lease:<name>         a session lease: hash of holder, fencing token and the holder's process (host,
+                              pid), expiring by PEXPIRE
     kiln:lease-tokens         the last fencing token granted (INCR; one counter for every name)
 
 A save writes its absent blobs, then the manifest and its index entries in one Lua script: readers see
@@ -25,10 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 
 import redis
 
@@ -49,6 +52,8 @@ from kiln.snapshots.store import (
     check_lease_name,
     check_lease_request,
     lease_lost,
+    stored_lease,
+    this_host,
 )
 
 PREFIX = "kiln:"
@@ -67,13 +72,16 @@ _OWNS_TOKEN = "if redis.call('GET', KEYS[1]) == ARGV[1] then "  # KEYS[1] a toke
 # The same check where the fence is optional: an empty holder means "not fenced".
 _FENCE = "if ARGV[1] ~= '' then\n" + _HOLDS + "if not holds then return -1 end\nend\n"
 SCRIPTS = {
-    # KEYS lease, token counter; ARGV holder, ttl ms -> {1, token} or {0, holder, pttl ms}
+    # KEYS lease, token counter; ARGV holder, ttl ms, host, pid -> {1, token} or {0, holder, pttl ms}
+    # (a record without a numeric token or an expiry is no lease, as stored_lease reads it: replaced)
     "acquire": """local cur = redis.call('HMGET', KEYS[1], 'holder', 'token')
-if cur[1] and cur[1] ~= ARGV[1] then return {0, cur[1], redis.call('PTTL', KEYS[1])} end
+local valid = cur[1] and cur[2] and string.match(cur[2], '^%d+$') and redis.call('PTTL', KEYS[1]) > 0
+if valid and cur[1] ~= ARGV[1] then return {0, cur[1], redis.call('PTTL', KEYS[1])} end
 local token = cur[2]
-if not cur[1] then
+if not valid then
   token = redis.call('INCR', KEYS[2])
-  redis.call('HSET', KEYS[1], 'holder', ARGV[1], 'token', token)
+  redis.call('DEL', KEYS[1])
+  redis.call('HSET', KEYS[1], 'holder', ARGV[1], 'token', token, 'host', ARGV[3], 'pid', ARGV[4])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {1, tostring(token)}""",
@@ -217,11 +225,12 @@ class RedisStore(SnapshotStore):
         check_lease_request(name, holder, ttl_s)
         start = time.time()
         with _redis_errors("taking a lease"):
-            reply = self._scripts["acquire"](keys=[_lease_key(name), TOKENS], args=[holder, _ms(ttl_s)])
+            reply = self._scripts["acquire"](keys=[_lease_key(name), TOKENS],
+                                             args=[holder, _ms(ttl_s), this_host(), os.getpid()])
         if reply[0] == 0:
-            other, left_s = reply[1].decode(), reply[2] / 1000
+            other, left_s = reply[1].decode(errors="replace"), reply[2] / 1000
             raise LeaseHeldError(f"{name} is leased to {other} for another {left_s:.1f} s", other, start + left_s)
-        return Lease(name, holder, int(reply[1]), start + ttl_s)
+        return Lease(name, holder, int(reply[1]), start + ttl_s, this_host(), os.getpid())
 
     def renew_leases(self, leases: Sequence[Lease], ttl_s: float) -> list[Lease | LeaseLostError]:
         for lease in leases:
@@ -233,7 +242,7 @@ class RedisStore(SnapshotStore):
                 self._scripts["renew"](keys=[_lease_key(lease.name)], args=[lease.holder, lease.token, _ms(ttl_s)],
                                        client=pipe)
             replies = pipe.execute()
-            return [Lease(lease.name, lease.holder, lease.token, start + ttl_s) if renewed
+            return [replace(lease, expires_at=start + ttl_s) if renewed
                     else lease_lost(lease, self.lease_of(lease.name)) for lease, renewed in zip(leases, replies, strict=True)]
 
     def release_lease(self, lease: Lease) -> bool:
@@ -244,12 +253,13 @@ class RedisStore(SnapshotStore):
         check_lease_name(name)
         with _redis_errors("reading a lease"):
             pipe = self.client.pipeline(transaction=True)
-            pipe.hmget(_lease_key(name), "holder", "token")
+            pipe.hmget(_lease_key(name), "holder", "token", "host", "pid")
             pipe.pttl(_lease_key(name))
-            (holder, token), pttl = pipe.execute()
+            (holder, token, host, pid), pttl = pipe.execute()
         if holder is None or pttl < 0:
             return None
-        return Lease(name, holder.decode(), int(token), time.time() + pttl / 1000)
+        return stored_lease(name, _text(holder), _number(token), time.time() + pttl / 1000, _text(host or b""),
+                            _number(pid or b"0"))  # no host or pid in leases written before they were recorded
 
     # ---- the writer and gc leases ----------------------------------------------------------------
 
@@ -323,6 +333,19 @@ def _owner_of(data: bytes) -> str | None:
     except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return None
     return owner if isinstance(owner, str) else None
+
+
+def _text(value: bytes) -> str | None:
+    """A lease field as text; None if it is not UTF-8 (stored_lease then refuses the record)."""
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def _number(value: bytes | None) -> int | None:
+    """A lease field as a non-negative integer; None if it is not one."""
+    return int(value) if value is not None and value.isdigit() else None
 
 
 def _wait(deadline: float, what: str) -> None:

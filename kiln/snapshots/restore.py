@@ -1,10 +1,10 @@
 """Restore: a manifest and its blobs back into a KVImage, verified completely before anything is loaded.
 
-Checked, each a typed error naming what differs: format version and codec (the manifest parser), the
-KV format fingerprint and every shape field (another model, weight format, KV dtype, page size or
-layout is FailedPreconditionError), the KV groups, the policy, token ids against this vocabulary and
-context (InvalidArgumentError), page counts against the computed tokens, every page the next step
-reads being present, and each blob's size and SHA-256 after decoding.
+Checked, each a typed error naming what differs: every field's type and range, page counts and sizes
+against the shape (the manifest parser, Manifest.from_json), the KV format fingerprint and every shape
+field (another model, weight format, KV dtype, page size or layout is FailedPreconditionError), the KV groups, the policy, token ids against this vocabulary and
+context (InvalidArgumentError), every page the next step reads being present, and each blob's size (this
+engine's page) and SHA-256 after decoding.
 """
 
 from __future__ import annotations
@@ -71,13 +71,8 @@ def _policy(manifest: Manifest, engine: Engine) -> KVPolicy:
 
 def _check_pages(manifest: Manifest, policy: KVPolicy) -> None:
     page_size = manifest.shape.page_size
-    count = -(-manifest.num_computed // page_size)
+    count = -(-manifest.num_computed // page_size)  # each group's pages (Manifest.from_json checked)
     for index, group in enumerate(manifest.groups):
-        if len(group.pages) != count:
-            raise FailedPreconditionError(
-                f"snapshot {manifest.snapshot_id}: group {index} lists {len(group.pages)} pages for "
-                f"{manifest.num_computed} computed tokens (expected {count})"
-            )
         for span in policy.readable(group.window, count, manifest.num_computed, page_size):
             if any(group.pages[i] is None for i in span):
                 raise FailedPreconditionError(
@@ -89,7 +84,7 @@ def fetch(manifest: Manifest, engine: Engine, store: SnapshotStore, verify: Mapp
     """The verified image of a manifest: raises before anything is loaded if any check fails. `verify`
     maps the blob checks over pages (Persistence passes its thread pool: SHA-256 releases the GIL)."""
     policy = check_compatible(manifest, engine)
-    size = manifest.shape.page_bytes
+    size = engine.kv_page_bytes  # this engine's own page, never what a file claims: bounds each decompression
     digests = manifest.digests()
     stored = store.get_blobs(digests)
     lost = digests - stored.keys()

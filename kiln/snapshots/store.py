@@ -21,11 +21,16 @@ grants `name` to one holder at a time until it lapses (wall-clock `expires_at`) 
 grant carries a fencing token larger than any earlier grant's of that name, so a holder that stalled past
 its lease and was replaced is told apart from the new one: `save` and `delete_manifest` given
 `fence=lease` write only while that lease is still the live one, checked atomically with the write.
+Every grant also records the process that took it (`this_host()`, its pid), so that a taker on the same
+host can tell a holder that exited without handing off (kiln/snapshots/ownership.py).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -61,10 +66,29 @@ class Lease:
     holder: str  # who holds it: a server instance's id (random per process)
     token: int
     expires_at: float
+    host: str = ""  # where the process that took it runs (`this_host()`); "" when unknown
+    pid: int = 0  # that process's id on `host`; 0 when unknown
 
     def same_grant(self, other: Lease | None) -> bool:
         """Whether `other` is this grant (renewed or not): same name, holder and token."""
         return other is not None and (other.name, other.holder, other.token) == (self.name, self.holder, self.token)
+
+
+@functools.cache
+def this_host() -> str:
+    """Where this process runs, as a lease records its holder's: host name, boot id and pid namespace, so
+    that a pid in a lease of the same host names a process this one can see (not one of an earlier boot, or
+    of another container on the machine). "" where they cannot be read (not Linux): a lease that records
+    no host is never judged by its pid."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        return ""
+    return f"{socket.gethostname()}/{boot}/{namespace.removeprefix('pid:').strip('[]')}"
+
+
+MAX_HOLDER_CHARS = 256  # a lease's holder id or host
 
 
 def check_lease_name(name: str) -> None:
@@ -81,6 +105,20 @@ def check_lease_request(name: str, holder: str, ttl_s: float) -> None:
         raise InvalidArgumentError(f"lease holder must be a non-empty string without spaces, got {holder!r}")
     if not isinstance(ttl_s, int | float) or not 0 < ttl_s < 10**7:
         raise InvalidArgumentError(f"lease ttl_s must be a positive number of seconds, got {ttl_s!r}")
+
+
+def stored_lease(name: str, holder: object, token: object, expires_at: object, host: object = "",
+                 pid: object = 0) -> Lease | None:
+    """A lease as a store holds it, every field checked for type and range (both backends read leases
+    here). None for a record that is no valid lease, which counts as no lease (the next grant replaces
+    it): a file torn by a crash, or what else wrote the store (an expiry that never comes, a holder
+    that is not a string, a token that is not a positive integer)."""
+    valid = (isinstance(holder, str) and 0 < len(holder) <= MAX_HOLDER_CHARS and not any(c.isspace() for c in holder)
+             and isinstance(token, int) and not isinstance(token, bool) and 0 < token < 2**63
+             and isinstance(expires_at, int | float) and not isinstance(expires_at, bool) and math.isfinite(expires_at)
+             and isinstance(host, str) and len(host) <= MAX_HOLDER_CHARS
+             and isinstance(pid, int) and not isinstance(pid, bool) and 0 <= pid < 2**31)
+    return Lease(name, holder, token, float(expires_at), host, pid) if valid else None
 
 
 def lease_lost(fence: Lease, current: Lease | None) -> LeaseLostError:
@@ -141,8 +179,9 @@ class SnapshotStore(ABC):
 
     @abstractmethod
     def acquire_lease(self, name: str, holder: str, ttl_s: float) -> Lease:
-        """Grant `name` to `holder` for `ttl_s` seconds with a new fencing token, or renew `holder`'s own
-        live lease (same token). LeaseHeldError (with the holder and expiry) while another's is live."""
+        """Grant `name` to `holder` for `ttl_s` seconds with a new fencing token, recording this process
+        (`this_host()`, its pid) as the holder's, or renew `holder`'s own live lease (same token).
+        LeaseHeldError (with the holder and expiry) while another's is live."""
 
     def renew_lease(self, lease: Lease, ttl_s: float) -> Lease:
         """Extend a live lease to `ttl_s` seconds from now. LeaseLostError if it lapsed or is no longer
@@ -175,8 +214,16 @@ class SnapshotStore(ABC):
     # ---- derived ----------------------------------------------------------------------------------
 
     def get_manifest(self, snapshot_id: str) -> Manifest | None:
+        """The manifest stored under an id, validated (Manifest.from_json), and stored under its own id:
+        one written under another id (by hand, or by whoever else can write the store) is refused."""
         data = self.manifest_bytes(snapshot_id)
-        return None if data is None else Manifest.from_json(data, snapshot_id)
+        if data is None:
+            return None
+        manifest = Manifest.from_json(data, snapshot_id)
+        if manifest.snapshot_id != snapshot_id:
+            raise FailedPreconditionError(f"snapshot manifest {snapshot_id} names another snapshot "
+                                          f"({manifest.snapshot_id}): refused")
+        return manifest
 
     def require_manifest(self, snapshot_id: str) -> Manifest:
         manifest = self.get_manifest(snapshot_id)
@@ -214,12 +261,6 @@ class SnapshotStore(ABC):
             if manifest is not None and (owner is None or manifest.owner == owner):
                 found.append(manifest)
         return found, unreadable
-
-
-def default_directory() -> Path:
-    """Where `kiln serve` keeps snapshots unless told otherwise: the user's data directory."""
-    data = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(data) / "kiln" / "snapshots"
 
 
 def open_store(target: str | Path) -> SnapshotStore:

@@ -30,7 +30,7 @@ SERVING_STATUS_SHUTTING_DOWN: ServingStatus
 SERVING_STATUS_ENGINE_FAILED: ServingStatus
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "history_tokens", "computed_tokens", "resident_pages", "resident_kv_bytes", "reused_tokens", "last_prefill_tokens", "generating", "created_at", "idle_s", "ttl_s", "kv_policy", "kv_sink_tokens", "kv_window_tokens", "kv_bytes_per_token", "tier_bytes_per_token", "host_tier_bytes", "disk_tier_bytes", "global_kv_bytes", "unsaved_changes", "last_saved_at", "save_failures", "resident")
+    __slots__ = ("session_id", "history_tokens", "computed_tokens", "resident_pages", "resident_kv_bytes", "reused_tokens", "last_prefill_tokens", "generating", "created_at", "idle_s", "ttl_s", "kv_policy", "kv_sink_tokens", "kv_window_tokens", "kv_bytes_per_token", "tier_bytes_per_token", "host_tier_bytes", "disk_tier_bytes", "global_kv_bytes", "unsaved_changes", "last_saved_at", "save_failures", "resident", "forgotten_tokens", "invariant_violations")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,8 @@ class SessionInfo(_message.Message):
     LAST_SAVED_AT_FIELD_NUMBER: _ClassVar[int]
     SAVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    FORGOTTEN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INVARIANT_VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     history_tokens: int
     computed_tokens: int
@@ -77,7 +79,9 @@ class SessionInfo(_message.Message):
     last_saved_at: float
     save_failures: int
     resident: bool
-    def __init__(self, session_id: _Optional[str] = ..., history_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., resident_pages: _Optional[int] = ..., resident_kv_bytes: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., last_prefill_tokens: _Optional[int] = ..., generating: _Optional[bool] = ..., created_at: _Optional[float] = ..., idle_s: _Optional[float] = ..., ttl_s: _Optional[float] = ..., kv_policy: _Optional[str] = ..., kv_sink_tokens: _Optional[int] = ..., kv_window_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[float] = ..., tier_bytes_per_token: _Optional[float] = ..., host_tier_bytes: _Optional[int] = ..., disk_tier_bytes: _Optional[int] = ..., global_kv_bytes: _Optional[int] = ..., unsaved_changes: _Optional[bool] = ..., last_saved_at: _Optional[float] = ..., save_failures: _Optional[int] = ..., resident: _Optional[bool] = ...) -> None: ...
+    forgotten_tokens: int
+    invariant_violations: int
+    def __init__(self, session_id: _Optional[str] = ..., history_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., resident_pages: _Optional[int] = ..., resident_kv_bytes: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., last_prefill_tokens: _Optional[int] = ..., generating: _Optional[bool] = ..., created_at: _Optional[float] = ..., idle_s: _Optional[float] = ..., ttl_s: _Optional[float] = ..., kv_policy: _Optional[str] = ..., kv_sink_tokens: _Optional[int] = ..., kv_window_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[float] = ..., tier_bytes_per_token: _Optional[float] = ..., host_tier_bytes: _Optional[int] = ..., disk_tier_bytes: _Optional[int] = ..., global_kv_bytes: _Optional[int] = ..., unsaved_changes: _Optional[bool] = ..., last_saved_at: _Optional[float] = ..., save_failures: _Optional[int] = ..., resident: _Optional[bool] = ..., forgotten_tokens: _Optional[int] = ..., invariant_violations: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "reused_tokens", "prefilled_tokens", "generated_tokens")

@@ -114,3 +114,23 @@ def test_restore_runs_in_a_pool_too_small_for_the_full_history(tiny_llm):
     with pytest.raises(ResourceExhaustedError):
         small.create_session(history).generate(max_tokens=24).result()
     assert greedy(small.create_session(history, kv_policy="restore", **BOUNDED)) == expected
+
+
+def test_a_sink_window_session_says_when_it_starts_forgetting(tiny_llm):
+    """ADR 0008 OQ-2: info().forgotten_tokens and kiln_kv_forgotten_tokens_total stay 0 while the history
+    fits in sink + window, then count the whole pages between them; K/V dropped for room and recomputed
+    is not counted again; a `full` session forgets nothing."""
+    llm = tiny_llm("llama", page_size=PAGE, kv_pages=24, speculative=None)  # 192 tokens
+    windowed = llm.create_session(prompts(1, 30, seed=5)[0], kv_policy="sink_window", **BOUNDED)  # 8 + 32
+    greedy(windowed, 4)
+    assert windowed.info().forgotten_tokens == 0  # 33 computed positions: all read
+    windowed.append(prompts(1, 40, seed=6)[0])
+    greedy(windowed, 4)
+    info = windowed.info()
+    assert (info.computed_tokens, info.forgotten_tokens) == (77, 32)  # pages 1-4 lie between sink and window
+    full = llm.create_session(prompts(1, 180, seed=7)[0])
+    greedy(full, 2)
+    assert windowed.info().computed_tokens == 0 and full.info().forgotten_tokens == 0  # dropped for room
+    greedy(windowed, 1)
+    assert windowed.info().forgotten_tokens == 32 and llm.engine.stats.kv_forgotten_tokens == 32
+    assert "kiln_kv_forgotten_tokens_total 32.0" in Metrics(llm).render().decode()

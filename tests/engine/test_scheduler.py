@@ -17,15 +17,17 @@ from kiln.models.config import ModelConfig
 PS = 4
 
 
-def make_scheduler(num_pages: int, budget: int = 64, chunk: int = 64, max_num_seqs: int = 8) -> Scheduler:
+def make_scheduler(num_pages: int, budget: int = 64, chunk: int = 64, max_num_seqs: int = 8,
+                   max_seqs_per_caller: int | None = None) -> Scheduler:
     config = ModelConfig("llama", 1000, 8, 16, 1, 2, 1, 4)
     layout = KVLayout.for_model(config, PS)
     cache = KVCache(layout, num_pages, KVCodec("none", layout, torch.float32), "cpu", KVFormat("m", "f", "f", "raw", PS))
-    return Scheduler(cache, max_num_seqs, budget, chunk, EngineStats())
+    return Scheduler(cache, max_num_seqs, budget, chunk, EngineStats(), max_seqs_per_caller=max_seqs_per_caller)
 
 
-def request(tokens: list[int], session: bool = False) -> Request:
-    return Request(Sequence(list(tokens), PageTable.empty(1), session), SamplingParams(max_tokens=100), lambda event: None, frozenset())
+def request(tokens: list[int], session: bool = False, caller: str | None = None) -> Request:
+    return Request(Sequence(list(tokens), PageTable.empty(1), session), SamplingParams(max_tokens=100), lambda event: None,
+                   frozenset(), caller=caller)
 
 
 def step(scheduler: Scheduler) -> dict[Request, int]:
@@ -38,6 +40,12 @@ def step(scheduler: Scheduler) -> dict[Request, int]:
         if samples:
             seq.tokens.append(5)
     return {chunk.request: chunk.num_tokens for chunk in chunks}
+
+
+def add_and_step(scheduler: Scheduler, *requests: Request) -> dict[Request, int]:
+    for r in requests:
+        scheduler.add(r)
+    return step(scheduler)
 
 
 def test_short_request_runs_at_once_beside_a_long_prefill():
@@ -115,8 +123,7 @@ def test_pressure_drops_parked_kv_first_then_preempts_the_latest_admitted():
 def test_a_running_request_with_nothing_later_to_preempt_preempts_itself():
     scheduler = make_scheduler(num_pages=8, budget=64)
     first, second = request(list(range(1, 14))), request(list(range(100, 114)))  # 4 pages each
-    scheduler.add(first)
-    step(scheduler)
+    add_and_step(scheduler, first)
     scheduler.add(second)
     step(scheduler)
     second.seq.tokens.extend(range(3))  # second now needs a fifth page first
@@ -131,3 +138,65 @@ def test_only_a_request_larger_than_the_pool_fails():
     scheduler.add(huge)
     step(scheduler)
     assert [r for r, _ in scheduler.failed] == [huge] and "KV cache exhausted" in str(scheduler.failed[0][1])
+
+
+# ---- fair shares of the batch slots ------------------------------------------------------------------
+
+def test_a_newcomer_gets_a_slot_at_once_from_a_caller_holding_every_one():
+    """One caller's long generations hold every slot and more wait; another caller's request runs in the
+    very next step: the hog's most recently admitted request is requeued first in its line."""
+    scheduler = make_scheduler(num_pages=1000, max_num_seqs=4)
+    hog = [request([10 + i, 11, 12], caller="hog") for i in range(6)]
+    add_and_step(scheduler, *hog)
+    assert scheduler.running == hog[:4]
+    bystander = request([7, 8, 9], caller="bystander")
+    scheduler.add(bystander)
+    assert bystander in step(scheduler)
+    assert scheduler.running == [*hog[:3], bystander]
+    assert list(scheduler.waiting) == [hog[3], *hog[4:]] and scheduler.stats.fair_share_preemptions == 1
+    assert not hog[3].seq.table.holds_pages and scheduler.stats.preemptions == 0  # not a preemption for room
+    for _ in range(5):  # one slot apart: nothing moves back and forth
+        step(scheduler)
+    assert scheduler.running == [*hog[:3], bystander] and scheduler.stats.fair_share_preemptions == 1
+
+
+def test_slots_even_out_between_callers_and_stay_put():
+    scheduler = make_scheduler(num_pages=1000, max_num_seqs=6)
+    hog = [request([10 + i, 11], caller="a") for i in range(8)]
+    add_and_step(scheduler, *hog)
+    others = [request([50 + i, 51], caller="b") for i in range(5)]
+    add_and_step(scheduler, *others)
+    assert [r.caller for r in scheduler.running].count("a") == 3 and [r.caller for r in scheduler.running].count("b") == 3
+    for _ in range(4):
+        step(scheduler)
+    assert scheduler.stats.fair_share_preemptions == 3
+
+
+def test_the_queue_is_served_by_caller_not_by_arrival():
+    """Hundreds queued by one caller (OpenAI's n x prompts) do not keep a later caller waiting behind
+    them: as slots free, the caller holding the fewest goes first."""
+    scheduler = make_scheduler(num_pages=1000, max_num_seqs=2)
+    first = request([10, 11], caller="a")
+    add_and_step(scheduler, first)
+    queued = [request([20 + i, 21], caller="a") for i in range(5)]
+    add_and_step(scheduler, *queued)
+    late = request([7, 8], caller="b")
+    add_and_step(scheduler, late)  # a holds both slots, b none: one of a's goes back
+    assert late in scheduler.running and scheduler.stats.fair_share_preemptions == 1
+
+
+def test_a_cap_keeps_slots_from_one_caller_even_alone():
+    scheduler = make_scheduler(num_pages=1000, max_num_seqs=4, max_seqs_per_caller=2)
+    hog = [request([10 + i, 11], caller="hog") for i in range(4)]
+    add_and_step(scheduler, *hog)
+    assert scheduler.running == hog[:2]  # two slots stay free
+    bystander = request([7, 8], caller="bystander")
+    add_and_step(scheduler, bystander)
+    assert scheduler.running == [*hog[:2], bystander] and scheduler.stats.fair_share_preemptions == 0
+
+
+def test_one_caller_alone_takes_every_slot():
+    scheduler = make_scheduler(num_pages=1000, max_num_seqs=4)
+    mine = [request([10 + i, 11]) for i in range(6)]
+    add_and_step(scheduler, *mine)
+    assert scheduler.running == mine[:4] and list(scheduler.waiting) == mine[4:]

@@ -202,20 +202,16 @@ def test_metrics_export_the_counters(tiny_llm) -> None:
     assert stats.spec_accepted_tokens > 0
 
 
-def test_cli_flags_mirror_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_flags_mirror_the_config() -> None:
     import argparse
 
     from kiln import cli
 
-    seen: dict[str, object] = {}
-    monkeypatch.setattr(cli, "LLM", lambda model, **options: seen.update(options))
     parser = argparse.ArgumentParser()
     cli._engine_args(parser)
-    cli._llm(parser.parse_args(["--speculative", "none", "--num-speculative-tokens", "6"]))
-    assert seen["speculative"] is None and seen["num_speculative_tokens"] == 6
-    seen.clear()
-    cli._llm(parser.parse_args([]))
-    assert "speculative" not in seen  # unset: the config's default (ngram)
+    options = cli.engine_options(parser.parse_args(["--speculative", "none", "--num-speculative-tokens", "6"]))
+    assert options["speculative"] is None and options["num_speculative_tokens"] == 6
+    assert "speculative" not in cli.engine_options(parser.parse_args([]))  # unset: the config's default (ngram)
 
 
 def test_bad_options_are_refused_at_start() -> None:

@@ -1,4 +1,4 @@
-"""The page format's constants are defined once per language (kernels/page_format.h, kiln/kv/page_format.py)
+"""The page format's constants are defined once per language (kernels/page_format.h, kiln/kernels/page_format.py)
 and agree; EngineConfig takes exactly the page sizes the attention kernels serve."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ import pytest
 
 from kiln.config import EngineConfig
 from kiln.errors import InvalidArgumentError
-from kiln.kernels import kernels, supported
-from kiln.kv import page_format
+from kiln.kernels import kernels, page_format, supported
 
 
 @pytest.mark.skipif(not supported(), reason="Kiln's CPU kernels do not run here")

@@ -10,11 +10,11 @@ import torch
 
 from kiln.engine.runner import Chunk, ModelRunner
 from kiln.engine.sequence import Sequence
+from kiln.kernels.page_format import CHUNK_TOKENS
 from kiln.kv.cache import KVCache
 from kiln.kv.codec import KVCodec
 from kiln.kv.format import KVFormat
 from kiln.kv.layout import KVLayout
-from kiln.kv.page_format import CHUNK_TOKENS
 from kiln.kv.pages import PageTable
 from kiln.kv.policy import FULL, KVPolicy
 from kiln.kv.tiers import PageTiers

@@ -173,17 +173,15 @@ def test_engine_keeps_the_quantized_copy_beside_the_converted_weights(tiny_loade
     assert [p.name for p in (tmp_path / "entry").iterdir()] == ["quantized-int8-v2.safetensors"]
 
 
-def test_cli_flags_mirror_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: dict[str, object] = {}
-    monkeypatch.setattr(cli, "LLM", lambda model, **options: seen.update(options))
+def test_cli_flags_mirror_the_config() -> None:
     parser = argparse.ArgumentParser()
     cli._engine_args(parser)
-    cli._llm(parser.parse_args(["--quantization", "int8", "--deterministic"]))
-    assert seen["quantization"] == "int8" and seen["deterministic"] is True
-    cli._llm(parser.parse_args(["--quantization", "none"]))
-    assert seen["quantization"] is None and "kv_dtype" not in seen
-    cli._llm(parser.parse_args(["--kv-dtype", "float32"]))
-    assert seen["kv_dtype"] == "float32"
+    options = cli.engine_options(parser.parse_args(["--quantization", "int8", "--deterministic"]))
+    assert options["quantization"] == "int8" and options["deterministic"] is True
+    options = cli.engine_options(parser.parse_args(["--quantization", "none"]))
+    assert options["quantization"] is None and "kv_dtype" not in options
+    options = cli.engine_options(parser.parse_args(["--kv-dtype", "float32"]))
+    assert options["kv_dtype"] == "float32"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int4"])
 

@@ -61,15 +61,17 @@ def start_server(
     vocab_size: int = 0,
     timeout: float = 240.0,
     launcher: tuple[str, ...] = ("-m", "kiln.cli"),
+    default_store: bool = False,
 ) -> ServerHandle:
     """Start `kiln serve` (model None = the embedded one; cache_dir None = the default converted-weight
-    cache) and wait for its ready line. Persistence is off unless `extra` names a snapshot store.
+    cache) and wait for its ready line. Persistence is off unless `extra` names a snapshot store, or
+    `default_store` asks for the instance's own (the caller points XDG_DATA_HOME at a temporary directory).
     `launcher`: the Python arguments that run the command line (e.g. `-c` with a script that injects
     a fault, then calls kiln.cli.main on the rest)."""
     grpc_port, http_port = free_port(), free_port()
     command = [sys.executable, *launcher, "serve", "--grpc-port", str(grpc_port),
                "--http-port", str(http_port), "--kv-budget-mb", "64", *extra]
-    if not any(arg.startswith("--snapshot") for arg in extra):  # never the real home's data directory
+    if not default_store and not any(arg.startswith("--snapshot") for arg in extra):  # never the home's data directory
         command.append("--no-persist")
     if model is not None:
         command += ["--model", model]

@@ -5,9 +5,12 @@ tests/server/webdriver_bidi.py); `make test` installs both when missing."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import shutil
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from fastapi.testclient import TestClient
 
 from kiln.client import Client, Session
 from kiln.engine.sampler import SamplingParams
+from kiln.engine.stream import GenerationStream
 from kiln.server.app import ServeOptions, try_it
 from kiln.server.auth import ApiKeys, identity_of
 from kiln.server.dashboard_state import EVICTION_REASONS, HISTORY_STEP_S, DashboardState
@@ -169,6 +173,36 @@ def test_evictions_are_charted_by_reason(tiny_llm):
     assert set(reading.overview["pool"]["evicted_tokens"]) == set(EVICTION_REASONS)
 
 
+def test_requests_in_flight_are_listed_and_fill_the_latency_percentiles(tiny_llm):
+    """Generations still running (held here: their consumers stopped reading) are listed with their age and
+    tokens so far, a session's and a stateless one, each to its owner and both to an admin; with no turn
+    finished yet, TTFT and turn-time percentiles are numbers (the turns in flight, their age so far)."""
+    llm = tiny_llm("llama", speculative=None)
+    state = DashboardState(llm, health=dict, refresh_s=0)
+    alice, bob = identity_of("alice"), identity_of("bob")
+    session = llm.sessions.create(list(range(1, 11)), owner=alice)
+    long = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+    streams = [llm.sessions.generate(session, long, owner=alice),
+               llm.start(list(range(20, 32)), long, GenerationStream(llm.engine.cancel), caller=bob)]
+    for stream in streams:
+        next(iter(stream))
+        stream.request.paused.set()
+    state.reading()
+    time.sleep(HISTORY_STEP_S)
+    reading = state.reading()
+    own = reading.view(alice, sees_all=False)["requests"]
+    assert [(r["session"], r["prompt"]) for r in own] == [(session, 10)]
+    assert own[0]["generated"] >= 1 and own[0]["age_s"] > HISTORY_STEP_S and own[0]["max_tokens"] == 900
+    assert [(r["session"], r["prompt"]) for r in reading.view(bob, sees_all=False)["requests"]] == [(None, 12)]
+    assert {r["state"] for r in reading.view(None, sees_all=True)["requests"]} <= {"running", "paused"}
+    assert len(reading.view(None, sees_all=True)["requests"]) == 2
+    latest = reading.overview["history"][-1]
+    assert all(latest[key] is not None for key in ("ttft_p50", "ttft_p95", "turn_p50", "turn_p95"))
+    assert latest["turn_p50"] >= HISTORY_STEP_S and latest["ttft_p95"] < latest["turn_p50"]
+    for stream in streams:
+        stream.cancel()
+
+
 def test_the_banner_names_the_dashboard():
     assert "Dashboard (" in try_it(ServeOptions(http_port=8123), auth=False)
     assert "http://127.0.0.1:8123/dashboard (it asks for an API key)" in try_it(ServeOptions(http_port=8123), auth=True)
@@ -237,6 +271,72 @@ def test_the_page_shows_a_new_session_and_the_pool_moving(tiny_server, page, tmp
     assert errors == []
 
 
+@contextlib.contextmanager
+def generations_running(server) -> Iterator[None]:
+    """Long generations (900 tokens on the tiny model, a few seconds each) back to back on a thread, each
+    on a new session, until the block ends: something is always in flight. Re-raises the thread's error."""
+    done, errors = threading.Event(), []
+
+    def work() -> None:
+        try:
+            with Client(server.grpc_address, tokenizer="server") as client:
+                while not done.is_set():
+                    session = client.create_session()
+                    session.append_text("Still running. ")
+                    for _ in session.generate(max_tokens=900, ignore_eos=True):
+                        pass
+                    session.close()
+        except Exception as error:  # noqa: BLE001 - handed to the test
+            errors.append(error)
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=60)
+    assert errors == []
+
+
+IN_FLIGHT_ROW = ("[...document.querySelectorAll('#requests tbody tr')].some((tr) => tr.querySelector('td.session').textContent"
+                 ".length === 10 && /^[1-9][0-9,]* \\/ 900$/.test(tr.querySelector('td.generated').textContent)"
+                 " && /[0-9] (ms|s)$/.test(tr.querySelector('td.age_s').textContent))")
+LATENCY_CARDS = ("[...document.querySelectorAll('.card')].filter((c) => /^(TTFT|turn) p50/.test(c.querySelector('.label')"
+                 ".textContent)).map((c) => c.querySelector('.value').textContent)")
+# the pool chart's top is 1.1 x the most pages used or cached on it, far below the pool's 16k pages
+POOL_SCALED = ("(() => { const h = view.state.history, top = Number(document.querySelector('#chart-pool').dataset.top);"
+               " const most = Math.max(...h.flatMap((p) => [p.used, p.cached]));"
+               " return h.length > 1 && most > 0 && Math.abs(top - 1.1 * most) < 1e-6 && top < view.state.pool.pages / 10; })()")
+# no horizontal overflow: the page is the window's width, each table its box's
+FITS = ("document.documentElement.scrollWidth <= window.innerWidth && ['sessions', 'requests'].every((id) =>"
+        " document.getElementById(id).scrollWidth <= document.getElementById(id).parentElement.clientWidth)")
+WIDEST_ROW = ("{id: 'Xk3_9aQwErTyUiOpAsDfGh', owner: 'c481fd9f', state: 'evicted to snapshot', history: 1048576,"
+              " resident_tokens: 1048576, resident_bytes: 1023.9 * 2 ** 30, host_bytes: 0, disk_bytes: 0,"
+              " tier_bytes: 1023.9 * 2 ** 30, policy: 'sink_window', reused: 1048576, prefilled: 1048576, last_turn_s: 119.9,"
+              " idle_s: 7199, ttl_s: 30 * 86400, last_saved_at: Date.now() / 1000 - 7000, snapshot_bytes: 1023.9 * 2 ** 30,"
+              " save_failures: 1000}")
+
+
+def test_the_page_shows_what_is_running_now(tiny_server, page, tmp_path):
+    """With a generation running: the in-flight table lists it (its session, age, tokens so far), the TTFT and
+    turn-time percentiles are numbers, the pool chart is scaled to the pages in use, and at 1280 px neither
+    table overflows, even with the widest value of every sessions column."""
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(f"{tiny_server.http_url}/dashboard")
+    page.wait_for_selector("#health.ok", timeout=10_000)
+    with generations_running(tiny_server):
+        page.wait_for_function(IN_FLIGHT_ROW, timeout=20_000)
+        page.wait_for_function(f"{LATENCY_CARDS}.every((v) => /^[0-9.]+ m?s \\/ [0-9.]+ m?s$/.test(v))", timeout=20_000)
+        page.wait_for_function(POOL_SCALED, timeout=20_000)
+        assert page.evaluate(FITS)
+        page.screenshot(path=str(tmp_path / "running.png"), full_page=True)
+    page.evaluate(f"clearTimeout(timer); renderTable([{WIDEST_ROW}])")  # polling stopped: the row stays
+    assert page.evaluate(FITS)
+    assert errors == []
+
+
 @pytest.fixture(scope="module")
 def firefox_session() -> BidiSession:
     executable = firefox_executable()
@@ -248,7 +348,8 @@ def firefox_session() -> BidiSession:
 
 def test_the_page_works_in_firefox(tiny_server, firefox_session, tmp_path):
     """The same page in stock Firefox: it loads without script errors, a session made over gRPC shows as a
-    row with its history length, the pool chart draws the session's pages, a screenshot is taken."""
+    row with its history length, the pool chart draws the session's pages, a screenshot is taken; a
+    running generation is listed in flight, the pool chart scaled to use, and nothing overflows 1280 px."""
     tab = Tab(firefox_session, 1280, 800)
     tab.goto(f"{tiny_server.http_url}/dashboard")
     tab.wait_for("document.querySelector('#health.ok') !== null")
@@ -264,6 +365,10 @@ def test_the_page_works_in_firefox(tiny_server, firefox_session, tmp_path):
         tab.screenshot(shot)
         assert shot.stat().st_size > 10_000
         session.close()
+    with generations_running(tiny_server):
+        tab.wait_for(IN_FLIGHT_ROW, timeout_s=20)
+        tab.wait_for(POOL_SCALED, timeout_s=20)
+        assert tab.evaluate(FITS)
     assert tab.javascript_errors() == []
 
 

@@ -208,13 +208,17 @@ def test_tokenize_round_trip(http):
     assert http.post("/v1/detokenize", json={"token_ids": ids}).json() == {"text": "héllo ☃"}
 
 
-def test_second_concurrent_generate_conflicts_and_a_leaving_stream_client_cancels(http):
+def test_second_concurrent_generate_waits_its_turn_and_a_leaving_stream_client_cancels(http):
     session = http.post("/v1/sessions", json={"token_ids": [5, 6, 7, 8, 9]}).json()["session_id"]
-    with http.stream("POST", f"/v1/sessions/{session}/generate", json={**LONG, "stream": True}) as response:
-        lines = response.iter_lines()  # kept open: dropping the iterator would close the stream
-        assert next(lines).startswith("data: ")
-        assert_error(http.post(f"/v1/sessions/{session}/generate", json={"max_tokens": 2}), 409, "FAILED_PRECONDITION")
-    assert wait_idle(http, session)["history_tokens"] < 5 + LONG["max_tokens"]
+    with ThreadPoolExecutor(1) as pool:
+        with http.stream("POST", f"/v1/sessions/{session}/generate", json={**LONG, "stream": True}) as response:
+            lines = response.iter_lines()  # kept open: dropping the iterator would close the stream
+            assert next(lines).startswith("data: ")
+            second = pool.submit(http.post, f"/v1/sessions/{session}/generate", json={"max_tokens": 2, "ignore_eos": True})
+            assert_error(http.post(f"/v1/sessions/{session}/tokens", json={"token_ids": [3]}), 409, "FAILED_PRECONDITION")
+        reply = second.result(timeout=TIMEOUT)  # the first one's client left: its turn ended, this one ran
+    assert reply.status_code == 200 and len(reply.json()["token_ids"]) == 2, reply.text
+    assert wait_idle(http, session)["history_tokens"] < 5 + 2 + LONG["max_tokens"]
 
 
 def test_a_non_streaming_client_that_gives_up_cancels_too(http):

@@ -1,21 +1,24 @@
-"""`kiln serve` as a process: refuses unsafe binds, shuts down cleanly on SIGTERM, and exits non-zero
-when its engine dies."""
+"""`kiln serve` as a process: refuses unsafe binds and busy ports, shuts down cleanly on SIGTERM, exits
+non-zero when its engine dies, and keeps each instance's sessions apart."""
 
 import asyncio
 import re
+import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from kiln import LLM, KilnError
-from kiln.cli import EXIT_ENGINE_FAILED
+from kiln.cli import EXIT_ENGINE_FAILED, main
 from kiln.client import Client
-from kiln.server.app import EngineFailedError, ServeOptions, serve_async
+from kiln.server.app import EngineFailedError, ServeOptions, serve_async, try_it
+from kiln.snapshots.instance import default_directory
 from tests.server.conftest import free_port, start_server, tiny_model_dir
 
 
@@ -153,3 +156,49 @@ def _answers(url: str) -> bool:
     except httpx.TransportError:
         time.sleep(0.05)  # not listening yet
         return False
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(capsys):
+    """The model path does not exist: a refusal that names the ports came before any load."""
+    with socket.socket() as grpc_busy, socket.socket() as http_busy:
+        for busy in (grpc_busy, http_busy):
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+        grpc_port, http_port = grpc_busy.getsockname()[1], http_busy.getsockname()[1]
+        free = str(free_port())
+        assert main(["serve", "--model", "unused", "--grpc-port", free, "--http-port", str(http_port)]) == 2
+        assert f"--http-port {http_port} is in use; pick another with --http-port" in capsys.readouterr().err
+        assert main(["serve", "--model", "unused", "--grpc-port", str(grpc_port), "--http-port", str(http_port)]) == 2
+        err = capsys.readouterr().err
+    assert f"--grpc-port {grpc_port} is in use and --http-port {http_port} is in use" in err, err
+    assert "pick another with --grpc-port / --http-port" in err
+
+
+def test_each_instance_keeps_its_own_sessions_and_the_banner_leaves_none(tmp_path, monkeypatch, capsys):
+    """Two servers' default stores: the model's instance directory under XDG_DATA_HOME, held by the live
+    server (a second one of the same instance is refused before it loads), found again by the same
+    instance and never seen by another. The banner's SDK example closes the session it opens."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    model = tiny_model_dir(tmp_path)
+    server = start_server(str(model), tmp_path / "cache", default_store=True)
+    try:
+        host, grpc_port = server.grpc_address.rsplit(":", 1)
+        banner = try_it(ServeOptions(host=host, grpc_port=int(grpc_port), http_port=0), auth=False)
+        sdk_example = re.search(r"<<'PY'\n(from kiln.client.*?)\nPY\n", banner, re.S).group(1)
+        run = subprocess.run([sys.executable, "-"], input=sdk_example, capture_output=True, text=True, timeout=120,
+                             cwd=Path(__file__).resolve().parents[2])
+        assert run.returncode == 0, run.stderr
+        with Client(server.grpc_address) as client:
+            assert client.list_sessions() == []  # the example's session is gone, saved copy included
+            kept = client.create_session([5, 6, 7]).id
+        assert main(["serve", "--model", str(model), "--grpc-port", str(free_port()), "--http-port", str(free_port())]) == 2
+        assert f"instance tiny-llama is already served by process {server.process.pid}" in capsys.readouterr().err
+    finally:
+        assert server.stop() < 30 and server.process.returncode == 0, "".join(server.log)
+    assert any(line.startswith("kiln serve: listening on") for line in server.log), "".join(server.log)
+    own = default_directory("tiny-llama")
+    assert own == tmp_path / "data" / "kiln" / "instances" / "tiny-llama" / "snapshots"
+    with LLM(str(model), cache_dir=str(tmp_path / "cache"), snapshot_dir=str(own)) as again:
+        assert [info.session_id for info in again.sessions.list()] == [kept]
+    with LLM(str(model), cache_dir=str(tmp_path / "cache"), snapshot_dir=str(default_directory("other"))) as other:
+        assert other.sessions.list() == []

@@ -15,8 +15,10 @@ import socket
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import httpx
 import pytest
 
 from kiln.cli import main
@@ -282,6 +284,83 @@ def test_an_http_client_that_disconnects_cancels_its_generation(server):
             eventually(lambda: pages_beyond_sessions(client) == 0, "its pages went back")
 
 
+# A server whose turns take SETTLE_S to end once their generation stopped, as a cancel took on a real model
+# (the engine's next step): a call that comes right after a deadline finds the generate still in flight.
+SETTLE_S = 0.5
+SETTLING = f"""
+import sys, time
+from kiln.cli import main
+from kiln.sessions import SessionStore
+
+real = SessionStore._end_turn
+def settling(self, *args):
+    time.sleep({SETTLE_S})
+    real(self, *args)
+
+SessionStore._end_turn = settling
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def settling(servers_root) -> Iterator[ServerHandle]:
+    server = start_server(str(tiny_model_dir(servers_root)), servers_root / "cache", launcher=("-c", SETTLING),
+                          vocab_size=TINY_CONFIGS["llama"].vocab_size)
+    yield server
+    server.stop()
+
+
+def http_generate(server: ServerHandle, session_id: str, timeout_s: float = BOUND_S, **body: object) -> httpx.Response:
+    return httpx.post(f"{server.http_url}/v1/sessions/{session_id}/generate", json={"ignore_eos": True, **body},
+                      timeout=timeout_s)
+
+
+def test_a_generate_right_after_a_deadline_waits_for_the_cancel_and_succeeds(settling):
+    """Issue 37: after DeadlineExceededError the session's next generate used to be refused (in flight)
+    until the server settled the cancel; it now waits for it. Over gRPC (the SDK's timeout_s) and HTTP
+    (a client that gives up)."""
+    with Client(settling.grpc_address) as client:
+        session = client.create_session(start := prompt())
+        with pytest.raises(DeadlineExceededError):
+            session.generate(max_tokens=LONG, ignore_eos=True, timeout_s=0.3).result()
+        turn = session.generate(max_tokens=4, ignore_eos=True).result().token_ids  # at once
+        history = session_tokens(settling, session.id)
+        assert len(turn) == 4 and history[:len(start)] == start and history[-4:] == turn
+
+        with pytest.raises(httpx.ReadTimeout):
+            http_generate(settling, session.id, timeout_s=0.3, max_tokens=LONG)
+        reply = http_generate(settling, session.id, max_tokens=4)
+        assert reply.status_code == 200, reply.text
+        assert session_tokens(settling, session.id)[-4:] == reply.json()["token_ids"]
+
+
+def test_two_concurrent_generates_on_one_session_both_complete_in_order(settling):
+    with Client(settling.grpc_address) as client, ThreadPoolExecutor(1) as pool:
+        session = client.create_session(start := prompt())
+        first = session.generate(max_tokens=6, ignore_eos=True)  # accepted: in flight
+        second = pool.submit(lambda: http_generate(settling, session.id, max_tokens=5))
+        ran = first.result().token_ids
+        reply = second.result(timeout=BOUND_S)
+        assert reply.status_code == 200, reply.text
+        assert session_tokens(settling, session.id) == start + ran + reply.json()["token_ids"]
+
+
+def test_a_generate_waiting_past_its_deadline_gets_the_typed_error_and_the_session_goes_on(settling, tiny_windows):
+    """Behind a live generate a later one waits its turn until its caller's deadline: DeadlineExceededError
+    over gRPC; an HTTP client that gives up leaves the queue (its generate never runs)."""
+    with Client(settling.grpc_address) as client:
+        session = client.create_session(start := prompt())
+        running = session.generate(max_tokens=LONG, ignore_eos=True)  # unread: paused, never finishes
+        with pytest.raises(DeadlineExceededError):
+            session.generate(max_tokens=2, timeout_s=0.3)
+        with pytest.raises(httpx.ReadTimeout):
+            http_generate(settling, session.id, timeout_s=0.3, max_tokens=2)
+        running.cancel()
+        ran = session_tokens(settling, session.id)[len(start):]
+        turn = session.generate(max_tokens=3, ignore_eos=True).result().token_ids
+        assert session_tokens(settling, session.id) == start + ran + turn  # neither waiter ran
+
+
 def test_calls_over_max_concurrent_rpcs_are_resource_exhausted(limited):
     with Client(limited.grpc_address) as client, grpc.insecure_channel(limited.grpc_address, options=TINY_WINDOW) as held:
         sessions = [client.create_session(prompt()) for _ in range(3)]
@@ -318,6 +397,7 @@ def sse_request(server: ServerHandle, body: dict, path: str = "/v1/completions",
     (("--stall-timeout-s", "0"), "stall_timeout_s must be a positive number of seconds"),
     (("--stall-timeout-s", "nan"), "stall_timeout_s must be a positive number of seconds"),
     (("--max-concurrent-rpcs", "-1"), "max_concurrent_rpcs must be 0 (no limit) or more"),
+    (("--generate-wait-s", "0"), "generate_wait_s must be a positive number of seconds"),
 ])
 def test_bad_limits_stop_kiln_serve_with_status_2(capsys, flags, fault):
     assert main(["serve", "--no-persist", *flags]) == 2  # before any model loads

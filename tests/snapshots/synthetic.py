@@ -6,7 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from kiln.snapshots import blobs, packs
-from kiln.snapshots.manifest import GroupPages, KVShape, Manifest
+from kiln.snapshots.manifest import (
+    KIND_CHECKPOINT,
+    KIND_SESSION,
+    SESSION_PREFIX,
+    GroupPages,
+    KVShape,
+    Manifest,
+)
 
 PAGE_BYTES = 256
 
@@ -18,9 +25,12 @@ def shape() -> KVShape:
 
 def synthetic(snapshot_id: str, pages: list[bytes], owner: str = "sha256:0",
               codec: str = blobs.CODEC_ZSTD) -> tuple[Manifest, dict[str, blobs.Blob]]:
-    """A manifest over raw pages, and their blobs in `codec`."""
+    """A manifest over raw pages, and their blobs in `codec`: a session's own snapshot if the id says so
+    (session-<id>), else a checkpoint."""
     digests = [blobs.digest(page) for page in pages]
-    manifest = Manifest(snapshot_id=snapshot_id, kind="checkpoint", owner=owner, session_id="s", created_at=1.0,
+    own = snapshot_id.startswith(SESSION_PREFIX)
+    manifest = Manifest(snapshot_id=snapshot_id, kind=KIND_SESSION if own else KIND_CHECKPOINT, owner=owner,
+                        session_id=snapshot_id.removeprefix(SESSION_PREFIX) if own else "s", created_at=1.0,
                         ttl_s=60.0, policy="full", shape=shape(), token_ids=tuple(range(16 * len(pages))),
                         num_computed=16 * len(pages), groups=(GroupPages((0,), None, tuple(digests)),), codec=codec)
     return manifest, {d: blobs.encode(page, codec) for d, page in zip(digests, pages, strict=True)}

@@ -11,8 +11,8 @@ import pytest
 
 from kiln.cli import main
 from kiln.snapshots import blobs
+from kiln.snapshots.instance import default_directory
 from kiln.snapshots.local import DirectoryStore
-from kiln.snapshots.store import default_directory
 from tests.snapshots.synthetic import page, synthetic
 
 
@@ -74,8 +74,10 @@ def test_a_corrupt_or_unknown_export_is_refused(tmp_path, capsys):
 
 def test_serve_persists_under_the_data_directory_unless_told_otherwise(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
-    assert default_directory() == tmp_path / "kiln" / "snapshots"
+    assert default_directory("tiny") == tmp_path / "kiln" / "instances" / "tiny" / "snapshots"
     monkeypatch.delenv("XDG_DATA_HOME")
-    assert default_directory() == Path.home() / ".local" / "share" / "kiln" / "snapshots"
+    assert default_directory() == Path.home() / ".local" / "share" / "kiln" / "instances" / "gemma-3-270m-q4_k_m" / "snapshots"
+    code = main(["serve", "--instance-id", "../up", "--model", "unused", "--grpc-port", "0", "--http-port", "0"])
+    assert code == 2 and "--instance-id names a directory" in capsys.readouterr().err
     code = main(["serve", "--no-persist", "--snapshot-dir", str(tmp_path), "--model", "unused"])
     assert code == 2 and "--no-persist contradicts" in capsys.readouterr().err

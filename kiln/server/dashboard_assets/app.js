@@ -15,8 +15,7 @@ const COLUMNS = [  // key, header, format, text-aligned
   ["history", "history tok", num],
   ["resident_tokens", "resident tok", num],
   ["resident_bytes", "resident", bytes],
-  ["host_bytes", "host tier", bytes],
-  ["disk_bytes", "disk tier", bytes],
+  ["tier_bytes", "host + disk tier", bytes],
   ["policy", "KV policy", (v) => v, true],
   ["reused", "reused", num],
   ["prefilled", "prefilled", num],
@@ -112,7 +111,9 @@ function render(state) {
   $("formats").textContent = `${state.health.model} · weights ${f.weights} · KV ${f.kv_dtype}/${f.kv_codec} · page ${f.page_size} tok · speculation ${f.speculative} · policy ${f.kv_policy}`;
   $("updated").textContent = "updated " + new Date(state.generated_at * 1000).toLocaleTimeString();
   renderCards(state);
-  renderCharts(state.history);
+  renderCharts(state.history, state.pool);
+  renderRequests(state.requests);
+  for (const s of state.sessions) s.tier_bytes = s.host_bytes + s.disk_bytes;  // one column: the drill-down splits it
   renderTable(state.sessions);
 }
 
@@ -134,8 +135,8 @@ function renderCards(s) {
     card("KV resident", bytes((pool.used + pool.cached) * pool.page_bytes), `host tier ${bytes(s.tiers.bytes.host)} · disk ${bytes(s.tiers.bytes.disk)}`),
     card("prompt reuse", pct(prompt ? s.tokens.reused / prompt : null), `${num(s.tokens.prefix_hits)} via prefix cache`),
     card("decode tok/s", last.decode_tps == null ? "–" : last.decode_tps.toFixed(1), `${num(s.tokens.generated)} generated`),
-    card("TTFT p50 / p95", `${seconds(last.ttft_p50)} / ${seconds(last.ttft_p95)}`, "last 15 s"),
-    card("turn p50 / p95", `${seconds(last.turn_p50)} / ${seconds(last.turn_p95)}`, "last 15 s"),
+    card("TTFT p50 / p95", `${seconds(last.ttft_p50)} / ${seconds(last.ttft_p95)}`, "last 15 s and in flight"),
+    card("turn p50 / p95", `${seconds(last.turn_p50)} / ${seconds(last.turn_p95)}`, "last 15 s; in flight: age so far"),
     card("speculation", pct(spec.proposed ? spec.accepted / spec.proposed : null), `${num(spec.accepted)} of ${num(spec.proposed)} drafted accepted`),
     card("constrained", num(s.constrained_requests), "grammar-constrained requests"),
     card("evictions", num(sum(s.evictions)), `ttl ${num(s.evictions.ttl)} · lru ${num(s.evictions.lru)} · preempted ${num(s.preemptions)}`),
@@ -146,8 +147,11 @@ function renderCards(s) {
   ].join("");
 }
 
-function renderCharts(history) {
-  lineChart($("chart-pool"), history, [["used", "used", "--c1"], ["cached", "cached", "--c2"], ["free", "free", "--c3"]]);
+// The pool chart plots the pages in use, scaled to them: free pages (most of a large pool) are a number
+// in the caption, or the used line would lie flat along the axis.
+function renderCharts(history, pool) {
+  $("pool-free").textContent = `· ${short(pool.free)} of ${short(pool.pages)} free`;
+  lineChart($("chart-pool"), history, [["used", "used", "--c1"], ["cached", "cached", "--c2"]]);
   lineChart($("chart-evictions"), history, [["evicted_cached", "cached", "--c2"], ["evicted_idle", "idle", "--c3"],
                                             ["evicted_paused", "paused", "--c4"], ["evicted_waiting", "waiting", "--c5"],
                                             ["evicted_preempted", "preempted", "--c1"]]);
@@ -161,7 +165,8 @@ function renderCharts(history) {
 }
 
 // One SVG line chart: a series per [field, label, colour variable]; `top` fixes the y range's top.
-// `data-last` carries the newest point's values (read by tests and handy when inspecting the page).
+// `data-last` carries the newest point's values and `data-top` the y range's top (read by tests and
+// handy when inspecting the page).
 function lineChart(svg, points, series, top = null) {
   const width = svg.clientWidth || 400, height = svg.clientHeight || 130;
   const left = 42, bottom = 14, plotW = width - left - 4, plotH = height - bottom - 20;
@@ -188,12 +193,39 @@ function lineChart(svg, points, series, top = null) {
   svg.innerHTML = out + `<text x="4" y="10" xml:space="preserve">${legend}</text>`;
   const last = points[points.length - 1] || {};
   svg.dataset.last = JSON.stringify(Object.fromEntries(series.map(([k]) => [k, last[k] ?? null])));
+  svg.dataset.top = max;
 }
 
 function short(v) {
   if (v >= 1e6) return (v / 1e6).toFixed(1) + "M";
   if (v >= 1e3) return (v / 1e3).toFixed(1) + "k";
-  return v >= 10 ? v.toFixed(0) : v.toPrecision(2);
+  return v >= 10 || Number.isInteger(v) ? v.toFixed(0) : v.toPrecision(2);
+}
+
+// ---- requests in flight ------------------------------------------------------------------------------
+
+// The requests the engine holds now, the oldest PAGE_ROWS (the server sorts them oldest first): a
+// session's names it (a click opens its drill-down), a stateless one (OpenAI API) says so. "prompt done":
+// the prompt's tokens whose K/V is ready (reused or prefilled so far).
+function renderRequests(requests) {
+  $("request-count").textContent = requests.length ? `${num(requests.length)} now` : "none now";
+  $("requests").tBodies[0].replaceChildren(...requests.slice(0, PAGE_ROWS).map((r) => {
+    const tr = document.createElement("tr");
+    tr.dataset.id = r.id;
+    const cells = [
+      ["id", String(r.id), true], ["session", r.session ? r.session.slice(0, 10) : "stateless", true],
+      ["owner", r.owner ?? "", true], ["state", r.state, true], ["age_s", seconds(r.age_s)], ["ttft_s", seconds(r.ttft_s)],
+      ["prompt", num(r.prompt)], ["computed", num(r.computed)], ["generated", `${num(r.generated)} / ${num(r.max_tokens)}`],
+    ];
+    for (const [key, value, text] of cells) {
+      const td = document.createElement("td");
+      td.textContent = value;
+      td.className = key + (text ? " text" : "");
+      tr.appendChild(td);
+    }
+    if (r.session) tr.addEventListener("click", () => { view.detail = r.session; renderDetail(r.session); });
+    return tr;
+  }));
 }
 
 // ---- the sessions table -----------------------------------------------------------------------------
@@ -268,6 +300,8 @@ async function renderDetail(id) {
     card("pages", num(s.pages), `global ${num(s.pages_by_group.global)} · window ${num(s.pages_by_group.sliding_window)}`),
     card("resident", bytes(s.resident_bytes), `host ${bytes(s.host_bytes)} · disk ${bytes(s.disk_bytes)}`),
     card("snapshot", ago(s.last_saved_at), `${bytes(s.snapshot_bytes)} · ${s.unsaved ? "unsaved changes" : "up to date"} · ${num(s.save_failures)} failed`, s.save_failures > 0),
+    card("forgotten tok", num(s.forgotten), s.policy === "sink_window" ? "between sink and window: no longer read" : "none: the policy reads every key"),
+    card("invariant violations", num(s.violations), s.violations ? "the session failed" : "none", s.violations > 0),
     card("turns kept", num(s.turns.length), "most recent last"),
   ].join("");
   turnsChart($("chart-turns"), s.turns);

@@ -216,14 +216,16 @@ export class Session {
   }
 
   /**
-   * Continues the history: token ids as they commit (see Generation). Bad options throw here; the
-   * server's refusals (a generate already in flight, an unknown session) come from the first read, or
-   * from `accepted()`.
+   * Continues the history: token ids as they commit (see Generation). A generate behind another on the
+   * session waits its turn on the server (within `timeoutMs`). Bad options throw here; the server's
+   * refusals (an unknown session, a deadline passed while waiting) come from the first read, or from
+   * `accepted()`.
    */
   generate(options: GenerateOptions = {}): Generation {
     const request = generateRequest(this.id, options);
     const transport = this.client._transport;
-    return new Generation(this, transport, transport.generate(request, options.timeoutMs), options.signal);
+    const call = options.signal?.aborted ? undefined : transport.generate(request, options.timeoutMs); // as unary calls
+    return new Generation(this, transport, call, options.signal);
   }
 
   /**

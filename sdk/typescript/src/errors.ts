@@ -28,7 +28,7 @@ export class NotFoundError extends KilnError {
   static override readonly code = "NOT_FOUND";
 }
 
-/** The call is valid but its target cannot take it now: a generate already in flight, a closed client. */
+/** The call is valid but its target cannot take it now: an append while a generate runs, a closed client. */
 export class FailedPreconditionError extends KilnError {
   static override readonly code = "FAILED_PRECONDITION";
 }

@@ -57,9 +57,16 @@ export class Generation implements AsyncIterable<number> {
   constructor(
     private readonly session: Session,
     private readonly transport: Transport,
-    private readonly call: ClientReadableStream<GenerateEvent>,
+    private readonly call: ClientReadableStream<GenerateEvent> | undefined, // none when `signal` was aborted already
     private readonly signal: AbortSignal | undefined,
   ) {
+    if (call === undefined) {
+      this.cancelled = true;
+      this.abortedBy = signal;
+      this.acceptance = Promise.reject(aborted(signal as AbortSignal));
+      this.acceptance.catch(() => {});
+      return;
+    }
     const notify = (): void => {
       const wake = this.wake;
       this.wake = undefined;
@@ -88,7 +95,8 @@ export class Generation implements AsyncIterable<number> {
 
   /**
    * Resolves once the server accepted the generation (before its first token), or rejects with its
-   * refusal: FailedPreconditionError when the session already has a generate in flight, NotFoundError, ...
+   * refusal: NotFoundError, DeadlineExceededError when the deadline passed while it waited for its turn
+   * (a session runs one generate at a time, in arrival order; a later one waits for those ahead of it), ...
    * Iterating surfaces the same errors; this is for callers that want them before the first token.
    */
   accepted(): Promise<void> {
@@ -181,7 +189,7 @@ export class Generation implements AsyncIterable<number> {
     if (this.done || this.status !== undefined) return false;
     this.cancelled = true;
     this.endedAt = performance.now();
-    this.call.cancel();
+    this.call?.cancel();
     this.cancelling = waitUntilIdle(this.session);
     this.cancelling.catch(() => {}); // an abort nobody iterates must not be an unhandled rejection
     return true;
@@ -210,18 +218,17 @@ export class Generation implements AsyncIterable<number> {
 
   /**
    * The next event of the call; undefined once it ended with OK or this client cancelled it. A failed
-   * call throws its typed error; after a missed deadline, only once the server freed the session (as
-   * after a cancel), so the caller can go on with it at once.
+   * call throws its typed error, a missed deadline at the deadline: the session's next generate waits on
+   * the server for the cancelled one to end, so the caller can go on with it at once.
    */
   private async read(): Promise<GenerateEvent | undefined> {
     for (;;) {
-      if (this.cancelled) return undefined;
+      if (this.cancelled || this.call === undefined) return undefined;
       const event = this.call.read() as GenerateEvent | null;
       if (event !== null) return event;
       const status = this.status;
       if (status !== undefined) {
         if (status.code === grpcStatus.OK) return undefined;
-        if (status.code === grpcStatus.DEADLINE_EXCEEDED) await waitUntilIdle(this.session);
         throw this.transport.failure(status, this.signal);
       }
       await new Promise<void>((resolve) => {

@@ -1,7 +1,7 @@
 /**
  * Every RPC through the SDK against a real `kiln serve` (tiny llama, byte tokenizer): session turns that
  * prefill only new tokens, fork, info, list, reattach by id, tokenize, detokenize, health, the text
- * helpers (server and local tokenizer), chunks and logprobs, one generate at a time per session.
+ * helpers (server and local tokenizer), chunks and logprobs, generates on one session in arrival order.
  */
 import assert from "node:assert/strict";
 import { after, before, describe, it } from "node:test";
@@ -24,6 +24,16 @@ describe("sessions over a real kiln serve", () => {
     client = new Client(open.grpcAddress, { tokenizer: "server" });
   });
   after(() => client.close());
+
+  it("a sink_window session says how many positions it no longer reads", async () => {
+    const session = await client.createSession({
+      tokens: history(100), kvPolicy: "sink_window", kvSinkTokens: 16, kvWindowTokens: 32,
+    });
+    await session.generate({ maxTokens: 2, ignoreEos: true }).result();
+    const info = await session.info();
+    assert.deepEqual([info.forgottenTokens, info.invariantViolations], [48, 0]); // pages 1-3 of 101 computed
+    await session.close();
+  });
 
   it("a session gets its own KV policy; bad policy options are typed errors", async () => {
     const session = await client.createSession({
@@ -216,15 +226,17 @@ describe("sessions over a real kiln serve", () => {
     assert.equal(session.generate({ maxTokens: 1 }).logprobs, null);
   });
 
-  it("one generate at a time per session; other sessions are unaffected", async () => {
+  it("generates on one session run one at a time, in arrival order; other sessions are unaffected", async () => {
     const session = await client.createSession({ tokens: history() });
     const running = session.generate({ maxTokens: LONG, ignoreEos: true });
     await running.accepted();
-    await assert.rejects(session.generate({ maxTokens: 2 }).accepted(), { name: "FailedPreconditionError", message: /in flight/ });
-    await assert.rejects(session.append([1]), FailedPreconditionError);
+    const queued = session.generate({ maxTokens: 2, ignoreEos: true }); // waits for `running` to end
+    await assert.rejects(session.append([1]), (error: Error) => error instanceof FailedPreconditionError && /in flight/.test(error.message));
     const other = await client.createSession({ tokens: history() });
     assert.equal((await other.generate({ maxTokens: 2, ignoreEos: true }).result()).usage.generatedTokens, 2);
+    assert.equal((await session.info()).generating, true);
     await running.cancel();
+    assert.equal((await queued.result()).usage.generatedTokens, 2);
     assert.equal((await session.info()).generating, false);
   });
 

@@ -36,8 +36,9 @@ export const protobufFileName = "kiln/v1/runtime.proto";
  * - Errors are gRPC status codes with a readable message:
  *     INVALID_ARGUMENT     bad token ids (outside the vocabulary), bad or absurd parameters
  *     NOT_FOUND            unknown, closed or evicted session (never an implicit reset)
- *     FAILED_PRECONDITION  a Generate already in flight on the session; a session failed by a cache
- *                          invariant violation (the message carries a bug id)
+ *     FAILED_PRECONDITION  an append, fork or snapshot while a Generate runs on the session, or a
+ *                          Generate that waited for its turn past the server's limit; a session failed
+ *                          by a cache invariant violation (the message carries a bug id)
  *     RESOURCE_EXHAUSTED   KV capacity or the session limit, even after evicting idle sessions
  *     UNAUTHENTICATED      missing, malformed or unknown API key
  *     CANCELLED            the call was cancelled
@@ -123,7 +124,19 @@ export interface SessionInfo {
    * before a restart): none of its K/V is resident, and its next use brings it back. Unset from a
    * server that predates the field (every session it lists is in memory).
    */
-  resident?: boolean | undefined;
+  resident?:
+    | boolean
+    | undefined;
+  /**
+   * Positions the session's attention no longer reads: under sink_window, those between the sink and
+   * the window once the history passes sink + window (whole pages; it only grows); 0 otherwise.
+   */
+  forgottenTokens: number;
+  /**
+   * INV-1/INV-2 violations found on the session. The first fails it: GetSessionInfo still answers,
+   * every other call on it is FAILED_PRECONDITION.
+   */
+  invariantViolations: number;
 }
 
 /** Token accounting of one Generate. prompt_tokens = reused_tokens + prefilled_tokens. */
@@ -173,7 +186,10 @@ export interface AppendTokensResponse {
 
 /** How to continue a session. Unset optional fields take the server's defaults. */
 export interface GenerateRequest {
-  /** The session to continue (required). It must not have a Generate in flight. */
+  /**
+   * The session to continue (required). One Generate runs per session at a time: a later one waits
+   * for those ahead of it, in arrival order, until its deadline (then DEADLINE_EXCEEDED).
+   */
   sessionId: string;
   /** Most tokens to generate, >= 1 and at most the model's context. Unset: 256. */
   maxTokens?:
@@ -452,6 +468,8 @@ function createBaseSessionInfo(): SessionInfo {
     lastSavedAt: undefined,
     saveFailures: 0,
     resident: undefined,
+    forgottenTokens: 0,
+    invariantViolations: 0,
   };
 }
 
@@ -525,6 +543,12 @@ export const SessionInfo: MessageFns<SessionInfo> = {
     }
     if (message.resident !== undefined) {
       writer.uint32(248).bool(message.resident);
+    }
+    if (message.forgottenTokens !== 0) {
+      writer.uint32(256).uint32(message.forgottenTokens);
+    }
+    if (message.invariantViolations !== 0) {
+      writer.uint32(264).uint32(message.invariantViolations);
     }
     return writer;
   },
@@ -726,6 +750,22 @@ export const SessionInfo: MessageFns<SessionInfo> = {
             message.resident = reader.bool();
             continue;
           }
+          case 32: {
+            if (tag !== 256) {
+              break;
+            }
+
+            message.forgottenTokens = reader.uint32();
+            continue;
+          }
+          case 33: {
+            if (tag !== 264) {
+              break;
+            }
+
+            message.invariantViolations = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -766,6 +806,8 @@ export const SessionInfo: MessageFns<SessionInfo> = {
     message.lastSavedAt = object.lastSavedAt ?? undefined;
     message.saveFailures = object.saveFailures ?? 0;
     message.resident = object.resident ?? undefined;
+    message.forgottenTokens = object.forgottenTokens ?? 0;
+    message.invariantViolations = object.invariantViolations ?? 0;
     return message;
   },
 };

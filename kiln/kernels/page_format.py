@@ -1,7 +1,9 @@
-"""The KV page byte format's constants, defined once for Python (codec.py encodes and decodes with them,
-storage.py and models/attention.py hand pages to the kernels by them). C++'s twin is
-kiln/kernels/page_format.h; the extension exports its values and tests/kernels/test_page_format.py checks
-that the two agree.
+"""The KV page byte format's constants, defined once for Python. C++'s twin is page_format.h beside this file;
+the extension exports its values and tests/kernels/test_page_format.py checks that the two agree.
+
+They live with the kernels, the lowest layer (docs/architecture.md § Layers), because every layer above
+shares them: the KV cache encodes, decodes and stores pages by them (kiln/kv/codec.py, storage.py, step.py),
+the models' attention cuts keys at CHUNK_TOKENS as the kernels do, and EngineConfig takes only PAGE_SIZES.
 
 A coded (token, head) row is its codes followed by one float16 scale per group of GROUP channels (and one
 float16 zero point for 4-bit codes). 8-bit codes are symmetric (value = code * scale, |code| <= INT8_MAX);
