@@ -189,6 +189,8 @@ def test_a_waiting_generate_gives_up_at_its_deadline_or_the_servers_limit_or_whe
     store = llm.sessions
     session = llm.create_session(history(5))
     running = session.generate(max_tokens=5_000, ignore_eos=True)
+    next(iter(running))
+    running.request.paused.set()  # held as a reader that stopped would hold it: it keeps the turn, however fast the model
     with pytest.raises(DeadlineExceededError, match="deadline"):
         store.generate(session.id, GREEDY, deadline=time.monotonic() + 0.2)
     store.generate_wait_s = 0.2

@@ -90,16 +90,32 @@ def _long_streams(server: ServerHandle) -> Iterator[None]:
 
 @contextmanager
 def _many_choices(server: ServerHandle) -> Iterator[None]:
-    """One request of 32 prompts x n=16 (512 generations) from the hog's key, under way."""
-    body = {"prompt": [[9, 10, 11 + i] for i in range(32)], "n": 16, "max_tokens": 8, "ignore_eos": True,
-            "temperature": 1.0, "seed": 1}
+    """One streamed request of 32 prompts x n=16 (512 generations of 64 tokens) from the hog's key, under
+    way (its first chunk read) while the block runs, and read on; leaving closes it (the server cancels)."""
+    body = {"prompt": [[9, 10, 11 + i] for i in range(32)], "n": 16, "max_tokens": 64, "ignore_eos": True,
+            "temperature": 1.0, "seed": 1, "stream": True}
+    generating, stop = threading.Event(), threading.Event()
+
+    def read() -> int:
+        chunks = 0
+        with httpx.Client(base_url=server.http_url, headers=_headers(HOG), timeout=TIMEOUT) as http, \
+                http.stream("POST", "/v1/completions", json=body) as reply:
+            assert reply.status_code == 200
+            for line in reply.iter_lines():
+                chunks += line.startswith("data:")
+                generating.set()
+                if stop.is_set():
+                    break
+        return chunks
+
     with ThreadPoolExecutor(1) as pool:
-        reply = pool.submit(httpx.post, server.http_url + "/v1/completions", json=body, headers=_headers(HOG),
-                            timeout=TIMEOUT)
-        time.sleep(1.0)  # the request is parsed, submitted and generating
-        assert not reply.done()
-        yield
-        assert reply.result().status_code == 200
+        reader = pool.submit(read)
+        assert generating.wait(TIMEOUT), "the hog's request never started"
+        try:
+            yield
+        finally:
+            stop.set()
+        assert reader.result() < 512 * 64, "the hog's request ended before the bystander's turns"
 
 
 def _huge_bias_body() -> bytes:

@@ -38,6 +38,7 @@ from tests.conftest import byte_tokenizer
 from tests.server.conftest import free_port, held_until_released
 
 LONG = 400  # max_tokens of a generation that is still running when a test interrupts it
+BUSY = 960  # max_tokens of one that outlasts a waiter's deadline (the tiny model's context is 1024)
 
 
 _draw = random.Random(0)
@@ -139,10 +140,11 @@ def test_async_client_has_the_same_flows(tiny_server):
             assert await client.detokenize(await client.tokenize("héllo")) == "héllo"
             assert (await client.health()).vocab_size == tiny_server.vocab_size
 
-            running = await session.generate(LONG, ignore_eos=True)
+            running = await session.generate(BUSY, ignore_eos=True)
             await running.__anext__()
             with pytest.raises(DeadlineExceededError):  # waits its turn, here past its deadline
-                await session.generate(2, timeout_s=0.3)
+                await session.generate(2, timeout_s=0.1)
+            assert (await session.info()).generating
             await running.cancel()
             assert running.finish_reason == "cancelled" and not (await session.info()).generating
             pieces = [piece async for piece in session.generate_text(3, ignore_eos=True)]
@@ -214,9 +216,11 @@ def test_cancel_frees_the_session_for_the_next_generate(tiny_server, client):
 
 def test_one_generate_at_a_time_per_session(client):
     session = client.create_session(history())
-    running = session.generate(LONG, ignore_eos=True)
+    running = session.generate(BUSY, ignore_eos=True)
+    next(running)
     with pytest.raises(DeadlineExceededError):  # waits its turn, here past its deadline
-        session.generate(2, timeout_s=0.3)
+        session.generate(2, timeout_s=0.1)
+    assert session.info().generating
     with pytest.raises(FailedPreconditionError, match="in flight"):
         session.append([1])
     other = client.create_session(history())  # other sessions are unaffected
