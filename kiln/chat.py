@@ -17,31 +17,39 @@ A chat format (`--chat-format`) says how a conversation is written:
 - `auto` (the default): `template` when the model has a chat template, else `transcript`. The embedded
   Gemma 3 270M is a base model: it has none.
 
-Tools, assistant tool calls and tool results go to a template that handles tools (it uses `tools`)
-as transformers passes them. Any other rendering gets them as text (kiln/tools.py): the tool
-definitions as a system message, calls as `<tool_call>` blocks in the assistant's turn, results as
-`<tool_response>` blocks in a user turn.
+Tools, assistant tool calls and tool results reach a template the way it takes them (TemplateTools):
+`tools=` and messages with `tool_calls` and role `tool` as transformers passes them (Qwen, Llama 3,
+Mistral), SmolLM3's `xml_tools`, or Phi-4-mini's JSON in the system message. What a template does not
+render itself is written as text: the tool definitions join the system message (kiln/tools.py), an
+assistant's calls its text in the model's call syntax (kiln/tool_syntax.py), and a result goes to the
+template's "tool" turn when it writes any role by name (SmolLM2), else into a user turn as a
+`<tool_response>` block. `options` (chat_template_kwargs, e.g. Qwen 3's enable_thinking) are extra
+template variables.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
 import jinja2
+import jinja2.meta
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kiln.errors import InvalidArgumentError
 from kiln.tokenizer import Tokenizer
-from kiln.tools import Tool, call_text, tool_response_text, tools_prompt
+from kiln.tool_syntax import KILN, ToolSyntax, syntax_for
+from kiln.tools import Tool, tools_prompt
 
 GEMMA_START, GEMMA_END = "<start_of_turn>", "<end_of_turn>"
 ROLE_NAMES = {"assistant": "model", "model": "model", "user": "user", "system": "user"}
 OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-_MESSAGE_FIELDS = {"assistant": frozenset({"role", "content", "name", "tool_calls", "refusal"}),
+_MESSAGE_FIELDS = {"assistant": frozenset({"role", "content", "name", "tool_calls", "refusal", "reasoning_content"}),
                    "tool": frozenset({"role", "content", "tool_call_id", "name"})}
 _TEXT_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 Message = dict[str, object]  # {"role", "content"}, plus "tool_calls" (assistant) or "tool_call_id" (tool)
@@ -119,58 +127,131 @@ def _transcript(messages: Sequence[dict[str, str]]) -> str:
 
 
 def tokens_for_chat(messages: Iterable[Message], tokenizer: Tokenizer, tools: Sequence[Tool] = (),
-                    form: ChatFormat | None = None) -> list[int]:
+                    form: ChatFormat | None = None, options: Mapping[str, object] | None = None) -> list[int]:
     """Token ids of a whole conversation (messages as from_openai_messages makes them), ending with the
     opening of the model's reply. `tools`: the functions the model may call. `form`: the chat format
-    (None: `auto` for this tokenizer)."""
+    (None: `auto` for this tokenizer). `options`: extra variables for the chat template
+    (chat_template_kwargs, such as Qwen 3's enable_thinking)."""
+    return tokenizer.encode(*prompt_for_chat(messages, tokenizer, tools, form, options))
+
+
+def prompt_for_chat(messages: Iterable[Message], tokenizer: Tokenizer, tools: Sequence[Tool] = (),
+                    form: ChatFormat | None = None, options: Mapping[str, object] | None = None) -> tuple[str, bool]:
+    """The conversation as text (tokens_for_chat's arguments), and whether encoding it adds BOS (a
+    chat template writes BOS itself, exactly as transformers' apply_chat_template does)."""
     messages = list(messages)
     form = form or chat_format(tokenizer)
     if form.transcript:
-        return tokenizer.encode(_transcript(as_text_messages(messages, tools)), add_special_tokens=True)
-    template = tokenizer.chat_template
-    if template and ("tools" in template or not (tools or any(_has_tool_parts(m) for m in messages))):
-        # the template writes BOS itself, exactly as transformers' apply_chat_template does
-        return tokenizer.encode(render_template(template, messages, tokenizer, tools), add_special_tokens=False)
-    messages = as_text_messages(messages, tools)
-    if template:
-        return tokenizer.encode(render_template(template, messages, tokenizer), add_special_tokens=False)
-    text = "".join(_turn_text(m["role"], m["content"], tokenizer) for m in messages) + _reply_prefix(tokenizer)
-    return tokenizer.encode(text, add_special_tokens=True)
+        return _transcript(as_text_messages(messages, tools)), True
+    if tokenizer.chat_template:
+        return render_template(tokenizer.chat_template, messages, tokenizer, tools, options), False
+    text = "".join(_turn_text(m["role"], m["content"], tokenizer) for m in as_text_messages(messages, tools))
+    return text + _reply_prefix(tokenizer), True
 
 
-def as_text_messages(messages: Sequence[Message], tools: Sequence[Tool] = ()) -> list[dict[str, str]]:
-    """The conversation with tools, calls and results written out as text (kiln/tools.py's format),
-    for renderings that know nothing of tools."""
-    plain = []
+def as_text_messages(messages: Sequence[Message], tools: Sequence[Tool] = (), syntax: ToolSyntax = KILN,
+                     keep_calls: bool = False, keep_results: bool = False) -> list[Message]:
+    """The conversation with tools, calls and results written out as text in `syntax`, for renderings
+    that know nothing of them: the tool definitions join the system message, an assistant's calls its
+    text, and a tool result becomes a user turn. `keep_calls` / `keep_results`: the rendering reads
+    those as they are."""
+    plain: list[Message] = []
     for message in messages:
         content = str(message["content"] or "")
-        if message["role"] == "tool":
-            plain.append({"role": "user", "content": tool_response_text(content)})
-            continue
-        calls = [call_text(call["function"]["name"], json.dumps(call["function"]["arguments"], ensure_ascii=False))
-                 for call in message.get("tool_calls") or ()]  # type: ignore[attr-defined]
-        plain.append({"role": str(message["role"]), "content": "\n".join([content, *calls] if content else calls)})
-    if tools:
-        plain.insert(0, {"role": "system", "content": tools_prompt(tools)})
-    return plain
+        if message["role"] == "tool" and not keep_results:
+            plain.append({"role": "user", "content": tool_result_text(content)})
+        elif message.get("tool_calls") and not keep_calls:
+            calls = [(call["function"]["name"], json.dumps(call["function"]["arguments"], ensure_ascii=False))
+                     for call in message["tool_calls"]]  # type: ignore[attr-defined]
+            written = syntax.calls_text(calls)
+            plain.append({**{k: v for k, v in message.items() if k != "tool_calls"},
+                          "content": f"{content}\n{written}" if content else written})
+        else:
+            plain.append(message)
+    return _with_system_text(plain, tools_prompt(tools, syntax)) if tools else plain
 
 
-def _has_tool_parts(message: Message) -> bool:
-    return message["role"] == "tool" or bool(message.get("tool_calls"))
+def tool_result_text(content: str) -> str:
+    """A tool's result as a model whose template has no tool role reads it: a user turn."""
+    return f"<tool_response>\n{content}\n</tool_response>"
 
 
-def render_template(template: str, messages: list[Message], tokenizer: Tokenizer, tools: Sequence[Tool] = ()) -> str:
-    """A jinja chat template rendered for generation (with `tools` as OpenAI function definitions when
-    there are any). Template errors (including the template's own raise_exception, e.g. for a role
-    order it refuses) are INVALID_ARGUMENT."""
+def _with_system_text(messages: list[Message], text: str) -> list[Message]:
+    """`text` added to the leading system message, or as one."""
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+@dataclass(frozen=True)
+class TemplateTools:
+    """How one chat template takes tools, read from its text: as transformers passes them (`tools`),
+    as SmolLM3's `xml_tools`, in the system message's `tools` field (Phi-4-mini), or not at all (then
+    as Kiln's text). Calls it does not render itself are written in the assistant's text in the model's
+    syntax; results go to its "tool" role when it has one or writes any role by name, else into a user
+    turn."""
+
+    variables: frozenset[str]
+    renders_calls: bool
+    renders_results: bool
+    system_field: bool
+
+    @property
+    def takes_tools(self) -> bool:
+        return bool({"tools", "xml_tools"} & self.variables) or self.system_field
+
+    @classmethod
+    @functools.lru_cache(maxsize=8)
+    def of(cls, template: str) -> TemplateTools:
+        variables = frozenset(jinja2.meta.find_undeclared_variables(_compiled(template).environment.parse(template)))
+        renders_calls = "tool_calls" in template
+        renders_results = renders_calls or bool(_TOOL_ROLE.search(template) or _ANY_ROLE.search(template))
+        return cls(variables, renders_calls, renders_results, bool(_SYSTEM_TOOLS.search(template)))
+
+
+def knows_tools(tokenizer: Tokenizer) -> bool:
+    """Whether the model's chat template takes tool definitions (its model was trained to call tools),
+    rather than being told them in Kiln's text."""
+    return bool(tokenizer.chat_template) and TemplateTools.of(tokenizer.chat_template).takes_tools
+
+
+_TOOL_ROLE = re.compile(r"""==\s*['"]tool['"]""")  # the template handles role "tool" itself
+# the template writes any role as its name (SmolLM2's "<|im_start|>" + role): a tool result reads best in its own
+# "tool" turn there; shown as a user turn in <tool_response> markup, a small model copies the markup into its answer
+_ANY_ROLE = re.compile(r"""\+\s*\w+\s*(\.role\b|\[\s*['"]role['"]\s*\])\s*\+""")
+_SYSTEM_TOOLS = re.compile(r"""message\s*(\.tools\b|\[\s*['"]tools['"]\s*\])""")
+PHI_TOOLS_SYSTEM = "You are a helpful assistant with some tools."  # Phi-4-mini's own system text for tools
+
+
+def template_variables(messages: list[Message], tools: Sequence[Tool], form: TemplateTools,
+                       syntax: ToolSyntax) -> dict[str, object]:
+    """The messages and tools as `form` takes them (render_template's variables)."""
+    definitions = [tool.definition() for tool in tools]
+    messages = as_text_messages(messages, (), syntax, form.renders_calls, form.renders_results)
+    if not tools:
+        return {"messages": messages}
+    if "tools" in form.variables:
+        return {"messages": messages, "tools": [{"type": "function", "function": d} for d in definitions]}
+    if "xml_tools" in form.variables:
+        return {"messages": messages, "xml_tools": definitions}
+    if form.system_field:
+        if not messages or messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": PHI_TOOLS_SYSTEM}, *messages]
+        return {"messages": [{**messages[0], "tools": json.dumps(definitions, ensure_ascii=False)}, *messages[1:]]}
+    return {"messages": as_text_messages(messages, tools, syntax, True, True)}
+
+
+def render_template(template: str, messages: list[Message], tokenizer: Tokenizer, tools: Sequence[Tool] = (),
+                    options: Mapping[str, object] | None = None) -> str:
+    """A jinja chat template rendered for generation, with the tools, calls and results given the way
+    this template takes them (TemplateTools) and `options` as extra variables (chat_template_kwargs).
+    Template errors (including the template's own raise_exception, e.g. for a role order it refuses)
+    are INVALID_ARGUMENT."""
+    variables = {**(options or {}), **template_variables(messages, tools, TemplateTools.of(template), syntax_for(tokenizer)),
+                 "add_generation_prompt": True, "bos_token": _token_text(tokenizer, tokenizer.bos_token_id),
+                 "eos_token": _token_text(tokenizer, tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None)}
     try:
-        return _compiled(template).render(
-            messages=messages,
-            tools=[{"type": "function", "function": tool.definition()} for tool in tools] or None,
-            add_generation_prompt=True,
-            bos_token=_token_text(tokenizer, tokenizer.bos_token_id),
-            eos_token=_token_text(tokenizer, tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None),
-        )
+        return _compiled(template).render(**variables)
     except jinja2.TemplateError as error:
         raise InvalidArgumentError(f"the model's chat template refused the conversation: {error}") from None
 
@@ -204,6 +285,8 @@ def _plain_message(index: int, message: object) -> Message:
         if not isinstance(message.get("tool_call_id"), str):
             raise InvalidArgumentError(f"{where}: a tool message needs a string tool_call_id", f"{where}.tool_call_id")
         plain["tool_call_id"] = message["tool_call_id"]
+    if isinstance(message.get("reasoning_content"), str):  # a reasoning model's earlier thinking, for its template
+        plain["reasoning_content"] = message["reasoning_content"]
     return plain
 
 
@@ -252,7 +335,7 @@ def _token_text(tokenizer: Tokenizer, token_id: int | None) -> str:
 def _compiled(template: str) -> jinja2.Template:
     """Compiled once per template, in the environment transformers uses for chat templates."""
     environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
+                                                extensions=["jinja2.ext.loopcontrols", _Generation])
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -260,6 +343,17 @@ def _compiled(template: str) -> jinja2.Template:
         return environment.from_string(template)
     except jinja2.TemplateError as error:
         raise InvalidArgumentError(f"the model's chat template does not compile: {error}") from None
+
+
+class _Generation(Extension):
+    """transformers' `{% generation %}…{% endgeneration %}` (it marks the assistant's tokens for
+    training; SmolLM3's template uses it): the block renders as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
 def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None, separators: object = None,

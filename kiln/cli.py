@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import socket
 import sys
 from dataclasses import dataclass, field, fields
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln import startup  # first: Ctrl-C during the imports below (torch: seconds) exits quietly
 from kiln.chat import CHAT_FORMATS, TRANSCRIPT_MAX_TOKENS, ChatFormat, chat_format, tokens_for_chat
+from kiln.chat_tools import ChatTools, waiting_calls
 from kiln.config import QUANTIZATIONS, SPECULATIVE_METHODS, EngineConfig
 from kiln.engine.sampler import SamplingParams
 from kiln.engine.stream import DEFAULT_STALL_TIMEOUT_S
@@ -19,6 +21,8 @@ from kiln.errors import InvalidArgumentError, KilnError
 from kiln.kv.codec import CODECS
 from kiln.kv.policy import POLICIES
 from kiln.llm import LLM
+from kiln.models.catalog import MODELS_DIR_ENV, available_models, models_directory, resolve
+from kiln.models.facts import model_facts
 from kiln.server.access_log import FORMATS
 from kiln.server.grpc_limits import GrpcLimits
 from kiln.server.http_connections import HttpLimits
@@ -53,7 +57,10 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags mirroring EngineConfig (unset flags keep its defaults)."""
-    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded Gemma 3 270M)")
+    parser.add_argument("--model", default=None,
+                        help="a model's name, as `kiln models` lists them (the embedded gemma3-270m and "
+                        "smollm2-135m-instruct, then the models directory's, $KILN_MODELS_DIR), or the path of an HF "
+                        "model directory or .gguf file (default: gemma3-270m)")
     parser.add_argument("--kv-budget-mb", type=int, default=None, help=f"memory for KV pages, MiB: the pool is reserved at this size and committed as pages are first used (default {_ENGINE_DEFAULTS['kv_budget_bytes'] // 2**20})")
     parser.add_argument("--page-size", type=int, default=None, help=f"tokens per KV page (default {_ENGINE_DEFAULTS['page_size']})")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
@@ -186,6 +193,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> None:
     _sampling_options(args)  # an out-of-range flag is refused before a model loads or a server is called
+    if args.server and args.tools:
+        raise InvalidArgumentError("--tools chats in process: it needs the model's chat template (drop --server)")
     if args.server:
         from kiln.client import Client
 
@@ -195,14 +204,15 @@ def cmd_chat(args: argparse.Namespace) -> None:
             _chat_loop(client, tokenizer, chat_format(tokenizer, args.chat_format), args)
         return
     with _llm(args) as llm:
-        name = llm.loaded.config.name or llm.loaded.source.name
+        name = llm.loaded.display_name
         print(f"kiln chat: {name} (in process)", file=sys.stderr)
         form = chat_format(llm.tokenizer, args.chat_format)
         if form.transcript and not llm.tokenizer.chat_template:
             print(f"note: {name} is a base model (no chat template): it continues text, so each turn is a line of a "
                   "Q&A transcript; it answers short factual questions and completes text, but follows no long "
                   "instructions", file=sys.stderr)
-        _chat_loop(llm, llm.tokenizer, form, args)
+        tools = ChatTools.from_file(args.tools, llm.tokenizer, args.tool_choice) if args.tools else None
+        _chat_loop(llm, llm.tokenizer, form, args, tools)
 
 
 class _RemoteTokenizer:
@@ -251,7 +261,8 @@ class _Conversation:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
 
 
-def _chat_loop(host: Any, tokenizer: Any, form: ChatFormat, args: argparse.Namespace) -> None:
+def _chat_loop(host: Any, tokenizer: Any, form: ChatFormat, args: argparse.Namespace,
+               tools: ChatTools | None = None) -> None:
     """Turns on one session, in process (`host` an LLM) or remote (a Client); lines starting with "/" are
     CHAT_COMMANDS. The session is closed when the chat ends (a /fork's earlier session and /save's
     snapshots stay)."""
@@ -272,7 +283,7 @@ def _chat_loop(host: Any, tokenizer: Any, form: ChatFormat, args: argparse.Names
                 if not _chat_command(chat, host, line.strip()):
                     break
                 continue
-            _chat_turn(chat, line.removeprefix("/"), tokenizer, form, options)
+            _chat_turn(chat, line.removeprefix("/"), tokenizer, form, options, tools)
     finally:
         with contextlib.suppress(KilnError):  # a server gone meanwhile: its sessions went with it, or lapse
             chat.session.close()
@@ -308,13 +319,18 @@ def _chat_command(chat: _Conversation, host: Any, line: str) -> bool:
     return True
 
 
-def _chat_turn(chat: _Conversation, line: str, tokenizer: Any, form: ChatFormat, options: dict[str, Any]) -> None:
+def _chat_turn(chat: _Conversation, line: str, tokenizer: Any, form: ChatFormat, options: dict[str, Any],
+               tools: ChatTools | None = None) -> None:
     """One turn. It renders the whole conversation as /v1/chat/completions does (kiln/chat.py) and appends
     only what the history lacks; where the rendering departs from the history (a reply the format writes
     otherwise than it was generated, a new system prompt), the session forks at the last token they
-    share, so the cache still serves all before it."""
-    chat.turns.append({"role": "user", "content": line})
-    prompt = tokens_for_chat(chat.messages(), tokenizer, form=form)
+    share, so the cache still serves all before it. With tools, a line answers the oldest call still
+    waiting for its result (kiln/chat_tools.py); the model replies once every call has one."""
+    chat.turns.append(tools.message(line, chat.turns) if tools else {"role": "user", "content": line})
+    if tools and (waiting := len(waiting_calls(chat.turns))):
+        _say(f"{waiting} more call(s) wait for a result: type the next one")
+        return
+    prompt = tokens_for_chat(chat.messages(), tokenizer, tools.tools if tools else (), form=form)
     shared = _shared_prefix(chat.history, prompt)
     if shared < len(chat.history):
         forked = chat.session.fork(shared)
@@ -322,20 +338,25 @@ def _chat_turn(chat: _Conversation, line: str, tokenizer: Any, form: ChatFormat,
         chat.session = forked
     chat.session.append(prompt[shared:])
     print("model> ", end="", flush=True)
-    stream = chat.session.generate(**options)
-    deltas = TextDeltas(tokenizer.decode, form.stop)
+    stream = chat.session.generate(**options, **({"grammar": tools.grammar(chat.turns[-1])} if tools else {}))
+    deltas = TextDeltas(tools.decode if tools else tokenizer.decode, form.stop)
+    calls = tools.reply() if tools else None
     reply = ""
     for token in stream:
         piece = deltas.push([token])
-        print(_shown(reply, piece, form), end="", flush=True)
+        print(calls.push(piece) if calls else _shown(reply, piece, form), end="", flush=True)
         reply += piece
     result = stream.result()
     rest = deltas.finish(result.stop_string)
-    print(_shown(reply, rest, form), end="")
+    print(calls.push(rest) + calls.finish(result.finish_reason != "length") if calls else _shown(reply, rest, form),
+          end="")
     reply += rest
     chat.history = prompt + list(result.token_ids)
-    chat.turns.append({"role": "assistant", "content": reply.removeprefix(" ") if form.transcript else reply})
+    chat.turns.append(calls.message() if calls else
+                      {"role": "assistant", "content": reply.removeprefix(" ") if form.transcript else reply})
     print("\n  " + _turn_stats(result, chat.session.info().history_tokens), file=sys.stderr)
+    if tools and (waiting := len(waiting_calls(chat.turns))):
+        _say(f"the model called {waiting} tool(s): type each call's result (text or JSON), one line each")
 
 
 def _say(text: str) -> None:
@@ -410,9 +431,49 @@ def _serve(args: argparse.Namespace, options: ServeOptions) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace) -> None:
+    """The embedded models, then the models directory's, each with its facts read from its files' headers
+    (no weights loaded); a model whose files cannot be read is listed with the reason."""
+    rows = []
+    for entry in available_models():
+        row: dict[str, Any] = {"name": entry.name, "origin": entry.origin}
+        try:
+            path = entry.path()
+            row |= {**model_facts(path).to_json(), "path": str(path)}
+        except KilnError as error:
+            row["error"] = str(error)
+        rows.append(row)
+    if args.json:
+        print("\n".join(json.dumps(row) for row in rows))
+        return
+    print(_models_table(rows))
+    print(f"\nmodels directory: {models_directory()} (${MODELS_DIR_ENV}: *.gguf files and HF directories, "
+          "named by file or folder name); any other path works as --model too", file=sys.stderr)
+
+
+def _models_table(rows: list[dict[str, Any]]) -> str:
+    header = ("NAME", "ARCHITECTURE", "PARAMETERS", "WEIGHTS", "CONTEXT", "CHAT TEMPLATE", "SIZE", "FROM")
+    lines = [header]
+    for row in rows:
+        if "error" in row:
+            lines.append((row["name"], f"unreadable: {row['error']}", "", "", "", "", "", row["origin"]))
+            continue
+        lines.append((row["name"], row["architecture"], _count(row["parameters"]), row["weight_type"],
+                      str(row["context_length"] or "?"), "yes" if row["chat_template"] else "no",
+                      f"{row['size_bytes'] / 2**20:.0f} MiB", row["origin"]))
+    widths = [max(len(line[column]) for line in lines) for column in range(len(header) - 1)]
+    return "\n".join("  ".join([*(cell.ljust(width) for cell, width in zip(line, widths, strict=False)), line[-1]])
+                     for line in lines)
+
+
+def _count(parameters: int) -> str:
+    return f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.1f}M"
+
+
 def cmd_fleet(args: argparse.Namespace) -> int:
     from kiln.fleet.command import run
 
+    resolve(args.model)  # an unknown name is refused here, not in every replica Ray starts
     return run(args, engine_options(args))
 
 
@@ -438,6 +499,12 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--server", default=None, help="talk to a running `kiln serve` (gRPC address) instead")
     chat.add_argument("--api-key", default=None, help="API key for --server")
     chat.add_argument("--tls-ca", default=None, help="PEM CA to trust: talk to --server over TLS")
+    chat.add_argument("--tools", default=None, metavar="FILE.json",
+                      help="functions the model may call, as OpenAI's `tools` list (in process): each call is shown, "
+                      "and the lines you type next are the calls' results")
+    chat.add_argument("--tool-choice", default="auto", metavar="auto|required|NAME",
+                      help="with --tools: a reply to your line may call (auto), must call (required), or must call "
+                      "that function; a reply to results may always answer in text")
     _chat_format_arg(chat)
     _sampling_args(chat, max_tokens=None, temperature=0.0)
     chat.set_defaults(run=cmd_chat)
@@ -518,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
     fleet.add_argument("--allowed-host", action="append", default=[],
                        help="another Host name (or address) the HTTP API answers (repeatable), as kiln serve's")
     fleet.set_defaults(run=cmd_fleet)
+    models = commands.add_parser("models", help="list the models --model can name, with what their files say")
+    models.add_argument("--json", action="store_true", help="one JSON object per model instead of a table")
+    models.set_defaults(run=cmd_models)
     add_snapshot_parser(commands)
     args = parser.parse_args(argv)
     try:

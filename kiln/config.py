@@ -23,7 +23,7 @@ MAX_SPECULATIVE_TOKENS = 16
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # HF-style directory or .gguf file; None = the embedded Gemma 3 270M
+    model: str | None = None  # a name (kiln/models/catalog.py), HF-style directory or .gguf file; None = gemma3-270m
     device: str = "cpu"
     dtype: str = "float32"  # weights and activations
     # int8 projections and LM head (kiln/models/quant.py). CPU decode is bound by reading weights: int8

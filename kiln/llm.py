@@ -45,8 +45,9 @@ class RequestOutput:
 
 
 class LLM:
-    """`LLM()` serves the embedded Gemma 3 270M; `LLM("dir_or.gguf")` another model. Keyword options
-    are EngineConfig fields (page_size, kv_budget_bytes, ...)."""
+    """`LLM()` serves the embedded Gemma 3 270M; `LLM("smollm2-135m-instruct")` another model by name
+    (kiln/models/catalog.py), `LLM("dir_or.gguf")` by path. Keyword options are EngineConfig fields
+    (page_size, kv_budget_bytes, ...)."""
 
     def __init__(self, model: str | Path | None = None, *, loaded: LoadedModel | None = None, **options: object) -> None:
         self.config = EngineConfig.from_kwargs(model=None if model is None else str(model), **options)

@@ -1,34 +1,36 @@
 """Tokenizer: text <-> token ids for every model source Kiln loads.
 
-One `tokenizers.Tokenizer` does the work. An HF directory's tokenizer.json is used as it is. A GGUF file
-carries only llama.cpp's vocabulary metadata, so the backend is rebuilt from it:
+An HF directory's tokenizer.json is used as it is, by `tokenizers`, as transformers does. A GGUF file carries
+only llama.cpp's vocabulary metadata, and its token ids are llama.cpp's:
 
+- "gpt2" vocabularies are byte-level BPE, encoded exactly as llama.cpp encodes them (kiln/gguf_encoder.py:
+  its special tokens, its pre-tokenizer for `tokenizer.ggml.pre`, its merges); a `tokenizers.Tokenizer` over
+  the same vocabulary decodes.
 - "llama" vocabularies are SentencePiece BPE. SentencePiece merges the adjacent pair whose joined piece
   has the highest score; a `tokenizers` BPE whose merges are ranked by that score makes the same choices,
   so the merges are recovered from the scores. Pieces missing from the vocabulary fall back to bytes.
-- "gpt2" vocabularies are byte-level BPE with the merges stored in the file and a split regex chosen by
-  `tokenizer.ggml.pre`.
-
-In both, control tokens (`<start_of_turn>`) are special tokens matched whole in text, and user-defined
-tokens (Gemma's runs of spaces, newlines and tabs, `<think>`) are matched whole too: SentencePiece and
-llama.cpp never split or merge them.
+  Control tokens (`<start_of_turn>`) are special tokens matched whole in text, and user-defined tokens
+  (Gemma's runs of spaces, newlines and tabs) are matched whole too: SentencePiece and llama.cpp never split
+  or merge them.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 
 from kiln.errors import InvalidArgumentError
+from kiln.gguf_encoder import GgufEncoder
+from kiln.pretokenizers import pre_tokenizer
+from kiln.special_tokens import SpecialToken, special_tokens
 
 # llama.cpp token types (tokenizer.ggml.token_type).
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
+_NORMAL = 1
 
 # GGUF names one EOS; like llama.cpp, also stop on the chat-turn terminators a vocabulary defines.
 _TURN_END_TOKENS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>")
@@ -37,36 +39,6 @@ _SPACE = "\u2581"  # SentencePiece's visible space
 
 _BACKEND_FILE = "tokenizer.json"
 _META_FILE = "tokenizer_kiln.json"
-
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-@dataclass(frozen=True)
-class _ByteLevelScheme:
-    """How a byte-level vocabulary splits text before BPE, as its reference tokenizer.json does."""
-
-    split: str
-    ignore_merges: bool = False  # a whole pre-token found in the vocabulary is one token (Llama 3)
-    nfc: bool = False  # Qwen2 normalises to NFC first
-
-
-_BYTE_LEVEL_SCHEMES = {
-    "default": _ByteLevelScheme(_GPT2_SPLIT),
-    "gpt-2": _ByteLevelScheme(_GPT2_SPLIT),
-    "llama-bpe": _ByteLevelScheme(_LLAMA3_SPLIT, ignore_merges=True),
-    "llama3": _ByteLevelScheme(_LLAMA3_SPLIT, ignore_merges=True),
-    "qwen2": _ByteLevelScheme(_QWEN2_SPLIT, nfc=True),
-    "deepseek-r1-qwen": _ByteLevelScheme(_QWEN2_SPLIT, nfc=True),
-}
-
 
 def check_unicode(text: str, what: str = "text") -> None:
     """Raises InvalidArgumentError naming `what` if `text` cannot be UTF-8 (a lone surrogate, e.g. from a
@@ -79,7 +51,8 @@ def check_unicode(text: str, what: str = "text") -> None:
 
 class Tokenizer:
     """Token ids for text and text for token ids. `encode` adds BOS (and EOS) exactly when the model's
-    reference tokenizer does; `eos_token_ids` are every id that ends generation."""
+    reference tokenizer does; `eos_token_ids` are every id that ends generation. `gguf_encoder`, for a
+    byte-pair GGUF vocabulary, encodes in place of the backend."""
 
     def __init__(
         self,
@@ -87,17 +60,33 @@ class Tokenizer:
         bos_token_id: int | None,
         eos_token_ids: Sequence[int],
         chat_template: str | None = None,
+        gguf_encoder: GgufEncoder | None = None,
     ) -> None:
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
+        self.gguf_encoder = gguf_encoder
+        self._literal_backend: tokenizers.Tokenizer | None = None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        """`parse_special=False` reads control tokens written in the text as plain text (llama.cpp's
+        parse_special, transformers' split_special_tokens); user-defined tokens are matched either way."""
         check_unicode(text)
+        if self.gguf_encoder is not None:
+            return self.gguf_encoder.encode(text, add_special_tokens, parse_special)
+        backend = self.backend if parse_special else self._literal()
         # The batch calls release the GIL while they work (encode/decode hold it): tokenizing megabytes
         # on a server thread must not stall the event loop and the engine.
-        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def _literal(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that reads special tokens in text as plain text."""
+        if self._literal_backend is None:
+            literal = tokenizers.Tokenizer.from_str(self.backend.to_str())
+            literal.encode_special_tokens = True
+            self._literal_backend = literal
+        return self._literal_backend
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
@@ -120,6 +109,7 @@ class Tokenizer:
             "bos_token_id": self.bos_token_id,
             "eos_token_ids": list(self.eos_token_ids),
             "chat_template": self.chat_template,
+            "gguf_encoder": None if self.gguf_encoder is None else self.gguf_encoder.describe(),
         }
         (directory / _META_FILE).write_text(json.dumps(meta, indent=1))
 
@@ -127,7 +117,8 @@ class Tokenizer:
     def load(cls, directory: Path) -> Tokenizer:
         meta = json.loads((directory / _META_FILE).read_text())
         backend = tokenizers.Tokenizer.from_file(str(directory / _BACKEND_FILE))
-        return cls(backend, meta["bos_token_id"], meta["eos_token_ids"], meta["chat_template"])
+        encoder = meta.get("gguf_encoder") and GgufEncoder.from_description(meta["gguf_encoder"], backend)
+        return cls(backend, meta["bos_token_id"], meta["eos_token_ids"], meta["chat_template"], encoder or None)
 
     @classmethod
     def from_hf_dir(cls, directory: Path) -> Tokenizer:
@@ -154,21 +145,24 @@ class Tokenizer:
     def from_gguf(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """A GGUF file's `tokenizer.ggml.*` metadata (plain Python values) as the tokenizer it describes."""
         kind = metadata.get("tokenizer.ggml.model")
-        builders = {"llama": _sentencepiece_backend, "gpt2": _byte_level_backend}
-        if kind not in builders:
+        if kind not in ("llama", "gpt2"):
             raise InvalidArgumentError(f"unsupported GGUF tokenizer model {kind!r}; supported: llama, gpt2")
         try:
-            tokens, types = metadata["tokenizer.ggml.tokens"], _token_types(metadata)
-            backend = builders[kind](metadata)
+            tokens, specials = metadata["tokenizer.ggml.tokens"], special_tokens(metadata)
+            if kind == "llama":
+                backend, encoder = _sentencepiece_backend(metadata), None
+            else:
+                backend, encoder = _byte_level(metadata, specials)
         except KeyError as error:
             raise InvalidArgumentError(f"GGUF tokenizer metadata lacks {error}") from error
-        _add_whole_tokens(backend, tokens, types)
-        bos = metadata.get("tokenizer.ggml.bos_token_id")
-        eos = metadata.get("tokenizer.ggml.eos_token_id")
-        add_bos = metadata.get("tokenizer.ggml.add_bos_token", kind == "llama")
+        _add_whole_tokens(backend, specials)
+        bos = encoder.bos if encoder else metadata.get("tokenizer.ggml.bos_token_id")
+        eos = encoder.eos if encoder else metadata.get("tokenizer.ggml.eos_token_id")
+        add_bos = encoder.add_bos if encoder else metadata.get("tokenizer.ggml.add_bos_token", True)
         add_eos = metadata.get("tokenizer.ggml.add_eos_token", False)
         backend.post_processor = _template(tokens, bos if add_bos else None, eos if add_eos else None)
-        return cls(backend, bos, _gguf_eos_ids(metadata, backend), metadata.get("tokenizer.chat_template"))
+        chat_template = metadata.get("tokenizer.chat_template")
+        return cls(backend, bos, _gguf_eos_ids(metadata, backend), chat_template, encoder)
 
 
 def _sentencepiece_backend(metadata: Mapping[str, Any]) -> tokenizers.Tokenizer:
@@ -216,44 +210,49 @@ def _merges_from_scores(
     return [(tokens[index][:cut], tokens[index][cut:]) for _, index, cut in ranked]
 
 
-def _byte_level_backend(metadata: Mapping[str, Any]) -> tokenizers.Tokenizer:
-    """GPT-2-style byte-level BPE (Llama 3, Qwen): tokens are spelled in GPT-2's byte alphabet."""
-    pre = metadata.get("tokenizer.ggml.pre", "default")
-    scheme = _BYTE_LEVEL_SCHEMES.get(pre)
-    if scheme is None:
+def _byte_level(
+    metadata: Mapping[str, Any], specials: Sequence[SpecialToken]
+) -> tuple[tokenizers.Tokenizer, GgufEncoder]:
+    """GPT-2-style byte-level BPE (Llama 3, Qwen, SmolLM): llama.cpp's encoder, and a backend over the same
+    model that decodes (and, for tools that tokenize through tokenizer.json, splits as GPT-2 does)."""
+    pre = pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
+    if not (pre.split.byte_encode or pre.escape_whitespaces):
         raise InvalidArgumentError(
-            f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(sorted(_BYTE_LEVEL_SCHEMES))}"
+            f"GGUF pre-tokenizer {pre.name!r} keeps spaces inside words of a byte-level ('gpt2') vocabulary, where "
+            "llama.cpp fails an assertion (aborts) on any text with a space"
         )
+    tokens = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(merge.split(" ")) for merge in metadata.get("tokenizer.ggml.merges", [])]
     if any(len(merge) != 2 for merge in merges):
         raise InvalidArgumentError("GGUF tokenizer.ggml.merges has an entry that is not two tokens")
-    vocab = {token: index for index, token in enumerate(metadata["tokenizer.ggml.tokens"])}
-    backend = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=scheme.ignore_merges))
-    if scheme.nfc:
-        backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(scheme.split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    vocab = {token: index for index, token in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=pre.ignore_merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    return backend
+    # llama.cpp's defaults where the file names no BOS/EOS: id 11, GLM's none.
+    bos = metadata.get("tokenizer.ggml.bos_token_id", None if pre.bos_disabled else _default_bos_eos(tokens))
+    eos = metadata.get("tokenizer.ggml.eos_token_id", _default_bos_eos(tokens))
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", pre.add_bos) or pre.split.bos_forced
+    add_eos = metadata.get("tokenizer.ggml.add_eos_token", False)
+    encoder = GgufEncoder(backend.model, vocab, pre, specials, bos, eos, add_bos, add_eos)
+    return backend, encoder
 
 
-def _add_whole_tokens(backend: tokenizers.Tokenizer, tokens: Sequence[str], types: Sequence[int]) -> None:
-    """Control and unknown tokens become special tokens, user-defined ones plain added tokens: both are
-    matched whole in the raw text, before normalisation, and keep their vocabulary ids."""
+def _default_bos_eos(tokens: Sequence[str]) -> int | None:
+    return 11 if len(tokens) > 11 else None
 
-    def whole(kinds: tuple[int, ...], special: bool) -> list[AddedToken]:
-        return [
-            AddedToken(token, special=special, normalized=False)
-            for token, kind in zip(tokens, types, strict=True)
-            if kind in kinds
-        ]
 
-    backend.add_special_tokens(whole((_CONTROL, _UNKNOWN), special=True))
-    backend.add_tokens(whole((_USER_DEFINED,), special=False))
+def _add_whole_tokens(backend: tokenizers.Tokenizer, specials: Sequence[SpecialToken]) -> None:
+    """llama.cpp's special tokens as added tokens, matched whole in the raw text before normalisation with
+    their vocabulary ids: control and unknown ones as special tokens (skipped when decoding without special
+    tokens), user-defined ones as plain added tokens."""
+    whole = [
+        AddedToken(special.text, special=special.control, normalized=False, lstrip=special.lstrip,
+                   rstrip=special.rstrip)
+        for special in specials
+    ]
+    backend.add_special_tokens([token for token in whole if token.special])
+    backend.add_tokens([token for token in whole if not token.special])
 
 
 def _template(

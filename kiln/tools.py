@@ -1,40 +1,34 @@
-"""Tool calls as text, for models without a native tool format (the embedded base model has none).
+"""Tool calls: the OpenAI tool definitions and tool_choice, the grammar that makes a reply a well-formed
+call in the model's own syntax (kiln/tool_syntax.py), and the parser that reads calls back.
 
-A call is written the way Hermes-style templates (Qwen 2.5, Hermes) write it:
-
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
-and several calls follow each other separated by one newline. The OpenAI `tool_choice` becomes a
-grammar over replies (`grammar`), so what the model writes always parses:
+The OpenAI `tool_choice` becomes a grammar over replies (`grammar`), so what the model writes always
+parses:
 
 - `none`: no grammar from the tools (the reply is plain text, or the response_format's);
 - `required`: one call (or several, with parallel_tool_calls) and nothing else;
-- a named function: exactly one call to it;
-- `auto`: either one or more calls, or plain text that does not begin with `<tool_call>`, even after
-  whitespace (with a json response_format, that JSON instead of free text). A reply is a call exactly when it begins
-  with `<tool_call>`, so a reply never mixes text and calls.
+- a named function: exactly one call to it, after which the model must stop;
+- `auto`: either one or more calls, or plain text that does not begin like a call (`<tool_call>`,
+  `{"name"`, ...), even after whitespace (with a json response_format, that JSON instead of free text).
+  A reply is calls exactly when it begins like one, so a reply never mixes text and calls.
 
 Each call's `arguments` must match its function's JSON schema. `ToolCallParser` turns the generated text
-back into OpenAI tool calls incrementally, so streaming and whole replies are built alike. This module
-also renders tool definitions, assistant calls and tool results into prompt text (kiln/chat.py).
+back into OpenAI tool calls incrementally, so streaming and whole replies are built alike. For a chat
+template that knows no tools, `tools_prompt` tells the model its tools as a system message.
 """
-
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kiln.errors import InvalidArgumentError
-from kiln.text import partial_suffix
+from kiln.tokenizer import Tokenizer
+from kiln.tool_syntax import CALL_HEADER, KILN, ToolSyntax, control_token_id
 
-CALL_OPEN, CALL_CLOSE, CALL_SEPARATOR = "<tool_call>\n", "\n</tool_call>", "\n"
-_HEADER = re.compile(r'\{"name": "([A-Za-z0-9_-]+)", "arguments": ')
+_HEADER = re.compile(r'\{"name": "([A-Za-z0-9_-]+)", "(?:arguments|parameters)": ')
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_ARGUMENTS_END = "}" + CALL_CLOSE  # closes the call object, then the call
 # the JSON layout of the call, as kiln/engine/constraints.py generates every JSON (no free whitespace)
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 TOOL_CHOICES = ("none", "auto", "required")
@@ -86,54 +80,70 @@ def check_names(tools: Sequence[Tool]) -> None:
         first[tool.name] = index
 
 
-def grammar(tools: Sequence[Tool], choice: ToolChoice, plain_json: Mapping | None = None) -> str | None:
-    """The Lark grammar (llguidance dialect) of the replies `choice` allows, or None when the tools
-    constrain nothing (`none`). `plain_json`: the JSON schema a non-call reply must match under `auto`
-    (from response_format), instead of free text. Tools with repeated names are refused (check_names)."""
+def grammar(tools: Sequence[Tool], choice: ToolChoice, plain_json: Mapping | None = None, syntax: ToolSyntax = KILN,
+            tokenizer: Tokenizer | None = None) -> str | None:
+    """The Lark grammar (llguidance dialect) of the replies `choice` allows, written in `syntax`, or None
+    when the tools constrain nothing (`none`). `plain_json`: the JSON schema a non-call reply must match
+    under `auto` (from response_format), instead of free text. `tokenizer`: the vocabulary, whose control
+    tokens the syntax's markup must be (Mistral's [TOOL_CALLS]). With one call allowed (a named
+    function, parallel_tool_calls false) the grammar ends after it, so the model must stop there. Tools
+    with repeated names are refused (check_names)."""
     check_names(tools)
     if not choice.calls_allowed:
         return None
     callable_tools = [tool for tool in tools if choice.function in (None, tool.name)]
-    call_schema = {"anyOf": [_call_schema(tool) for tool in callable_tools], "x-guidance": _LAYOUT}
-    calls = "call" if choice.mode == "function" or not choice.parallel else f'call ("{_lark(CALL_SEPARATOR)}" call)*'
-    rules = [f"calls: {calls}",
-             f'call: "{_lark(CALL_OPEN)}" %json {json.dumps(call_schema)} "{_lark(CALL_CLOSE)}"']
+    call_schema = {"anyOf": [_call_schema(tool, syntax) for tool in callable_tools]}
+    markup = functools.partial(_markup, syntax=syntax, tokenizer=tokenizer)
+    more = "" if choice.mode == "function" or not choice.parallel else f"({markup(syntax.separator)} call)*"
+    rules = [f"calls: {markup(syntax.opening)} call {more} {markup(syntax.closing)}",
+             f"call: {markup(syntax.call_open)} {json_rule(call_schema)} {markup(syntax.call_close)}"]
     if choice.mode != "auto":
         return "\n".join(["start: calls", *rules])
     if plain_json is not None:
-        plain = f"plain: %json {json.dumps({**plain_json, 'x-guidance': _LAYOUT})}"
+        plain = f"plain: {json_rule(plain_json)}"
     else:  # any text that does not begin like a call, even after whitespace (a transcript's reply opens with a space)
-        plain = f'plain: TEXT\nTEXT: /(?s:.+)/ & ~/\\s*{re.escape(CALL_OPEN.strip())}(?s:.*)/'
+        opens = syntax.lead.strip() or CALL_HEADER.rstrip(' "')
+        plain = f'plain: TEXT\nTEXT: /(?s:.+)/ & ~/\\s*{re.escape(opens)}(?s:.*)/'
     return "\n".join(["start: plain | calls", plain, *rules])
 
 
-def _call_schema(tool: Tool) -> dict:
-    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.schema},
-            "required": ["name", "arguments"], "additionalProperties": False}
+def json_rule(schema: Mapping) -> str:
+    """A Lark rule body matching JSON of `schema`, laid out as every JSON Kiln generates."""
+    return f"%json {json.dumps({**schema, 'x-guidance': _LAYOUT})}"
 
 
-def _lark(text: str) -> str:
-    """`text` inside a Lark string literal."""
-    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def _call_schema(tool: Tool, syntax: ToolSyntax) -> dict:
+    key = syntax.arguments_key
+    return {"type": "object", "properties": {"name": {"const": tool.name}, key: tool.schema},
+            "required": ["name", key], "additionalProperties": False}
 
 
-def call_text(name: str, arguments: str) -> str:
-    """One call as the model writes it; `arguments` is JSON text of an object."""
-    return f'{CALL_OPEN}{{"name": "{name}", "arguments": {arguments}}}{CALL_CLOSE}'
+def _markup(text: str, syntax: ToolSyntax, tokenizer: Tokenizer | None) -> str:
+    """`text` as Lark: its control tokens as themselves (`<[id]>`), the rest as string literals."""
+    pieces = [text]
+    for token in syntax.special:
+        pieces = [part for piece in pieces for part in _split_keeping(piece, token)]
+    return " ".join(_lark_piece(piece, tokenizer) for piece in pieces if piece)
 
 
-def tools_prompt(tools: Sequence[Tool]) -> str:
-    """The instructions that tell a model without a native tool format which tools it has and how to
-    call them (a system message's text)."""
+def _split_keeping(text: str, token: str) -> list[str]:
+    parts = text.split(token)
+    return [piece for index, part in enumerate(parts) for piece in ([token, part] if index else [part])]
+
+
+def _lark_piece(text: str, tokenizer: Tokenizer | None) -> str:
+    token_id = control_token_id(tokenizer, text) if tokenizer is not None else None
+    if token_id is not None:
+        return f"<[{token_id}]>"
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def tools_prompt(tools: Sequence[Tool], syntax: ToolSyntax = KILN) -> str:
+    """The instructions that tell a model whose chat template knows no tools which tools it has and how
+    to call them (a system message's text)."""
     lines = "\n".join(json.dumps(tool.definition(), ensure_ascii=False) for tool in tools)
     return (f"You can call these tools:\n{lines}\n\nTo call a tool, reply with only\n"
-            f"{call_text('<tool name>', '<arguments as a JSON object>')}\n"
-            "Tool results come back inside <tool_response></tool_response>.")
-
-
-def tool_response_text(content: str) -> str:
-    """A tool's result as a model without a native tool format reads it."""
-    return f"<tool_response>\n{content}\n</tool_response>"
+            f"{syntax.call_text('<tool name>', '<arguments as a JSON object>')}")
 
 
 @dataclass
@@ -157,25 +167,54 @@ ReplyDelta = CallStart | ArgumentsDelta | ContentDelta
 
 
 @dataclass
+class _ObjectScan:
+    """Where a JSON object written piece by piece closes, and where its value at depth 1 that began
+    at `start` (a call's arguments) closes."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    value_end: int = -1
+
+    def feed(self, char: str, position: int, start: int) -> bool:
+        """Reads one character at `position` of the object; True when it closed the object."""
+        if self.in_string:
+            self.in_string = self.escaped or char != '"'
+            self.escaped = not self.escaped and char == "\\"
+        elif char == '"':
+            self.in_string = True
+        elif char in "{[":
+            self.depth += 1
+        elif char in "}]":
+            self.depth -= 1
+        if self.depth == 1 and self.value_end < 0 and position >= start > 0 and not self.in_string:
+            self.value_end = position + 1
+        return self.depth == 0 and position > 0
+
+
+@dataclass
 class ToolCallParser:
-    """Splits a reply's text, fed in pieces as it is generated, into plain content and tool calls:
-    `push` returns what became certain. A reply is plain when it does not begin with `<tool_call>`; a
-    call's arguments stream out as their text arrives (the closing `}` and `</tool_call>` held back
-    until seen).
+    """Splits a reply's text, fed in pieces as it is generated, into plain content and tool calls
+    written in `syntax`: `push` returns what became certain. A reply is plain when it does not begin
+    like a call; a call's arguments stream out as their text arrives.
 
     A call identical to an earlier call of the same reply adds nothing, and a model that writes one
     would go on repeating it: the repeat is never handed out (a call is held back while it matches an
-    earlier one so far) and `repeated` says the reply is over. Markup of a call never becomes content:
-    a reply cut short (`finish(complete=False)`) drops a call whose name is not yet written, and a
-    started call keeps the arguments written so far (not yet complete JSON)."""
+    earlier one so far), and `repeated` says the reply is over as soon as its object closes. Markup of a
+    call never becomes content: a reply cut short (`finish(complete=False)`) drops a call whose name is
+    not yet written, and a started call keeps the arguments written so far (not yet complete JSON)."""
 
+    syntax: ToolSyntax = KILN
     _buffer: str = ""
-    _mode: str = "undecided"  # undecided | plain | between | call | over
+    _mode: str = "undecided"  # undecided | plain | call | closing_call | between | over | closed
     _calls: int = 0
     _names: list[str] = field(default_factory=list)
-    _body: str = ""  # the current call's text after <tool_call>, up to its closing "}" (held back)
+    _body: str = ""  # the current call's object as written so far
+    _scan: _ObjectScan = field(default_factory=_ObjectScan)
+    _name: str = ""  # the current call's function, once written
+    _arguments_at: int = 0  # where the current call's arguments begin in _body (0: its name is not yet written)
     _sent: int = -1  # how much of _body went out (-1: not even its CallStart)
-    _bodies: list[str] = field(default_factory=list)  # the complete calls' bodies
+    _bodies: list[str] = field(default_factory=list)  # the complete calls' objects
 
     def push(self, text: str) -> list[ReplyDelta]:
         self._buffer += text
@@ -191,49 +230,77 @@ class ToolCallParser:
         """The model repeated an earlier call: the reply ended with the call before it."""
         return self._mode == "over"
 
+    @property
+    def calls_complete(self) -> bool:
+        """Every call handed out so far is complete, and nothing of a later one was: a reply that ends
+        here (even cut by max_tokens) is a whole reply of calls."""
+        if self._mode == "call":
+            return self._sent < 0 and any(body.startswith(self._body) for body in self._bodies)
+        return self._mode in ("closing_call", "between", "over", "closed")
+
     def _drain(self) -> Iterator[ReplyDelta]:
         while self._buffer:
             if self._mode == "plain":
                 yield ContentDelta(self._take(len(self._buffer)))
-            elif self._mode == "over":
+            elif self._mode in ("over", "closed"):
                 self._buffer = ""
-            elif self._mode in ("undecided", "between"):
-                expected = CALL_OPEN if self._mode == "undecided" else CALL_SEPARATOR + CALL_OPEN
-                if self._buffer.startswith(expected):
-                    self._take(len(expected))
-                    self._mode = "call"
-                elif not expected.startswith(self._buffer):
-                    self._mode = "plain"
-                else:
-                    return
-            else:
-                end = self._buffer.find(_ARGUMENTS_END)
-                complete = end >= 0
-                self._body += self._take(end if complete else len(self._buffer) - partial_suffix(self._buffer, _ARGUMENTS_END))
-                if complete and self._body in self._bodies:
-                    self._mode = "over"
-                    continue
-                if complete or not any(body.startswith(self._body) for body in self._bodies):
-                    yield from self._release()
-                if not complete:
-                    return
-                self._take(len(_ARGUMENTS_END))
-                self._bodies.append(self._body)
-                self._body, self._sent, self._mode = "", -1, "between"
-                self._calls += 1
+            elif self._mode == "call":
+                yield from self._read_call()
+            elif not self._decide():
+                return
+
+    def _decide(self) -> bool:
+        """Reads the markup before a call (or after the last): False while the text so far could go
+        either way."""
+        syntax = self.syntax
+        if self._mode == "closing_call":
+            choices = {syntax.call_close: "between"}
+        elif self._mode == "undecided":
+            choices = {prefix + syntax.lead + CALL_HEADER: "call" for prefix in ("", *syntax.read_prefixes)}
+        else:
+            choices = {syntax.separator + syntax.call_open + CALL_HEADER: "call", syntax.closing: "closed"}
+        for expected, mode in choices.items():
+            if expected and self._buffer.startswith(expected):
+                self._take(len(expected) - len(CALL_HEADER) if mode == "call" else len(expected))
+                self._mode = mode
+                return True
+        if any(expected.startswith(self._buffer) for expected in choices):
+            return False
+        self._mode = "plain" if self._mode == "undecided" else "closed"
+        return True
+
+    def _read_call(self) -> Iterator[ReplyDelta]:
+        complete = False
+        while self._buffer and not complete:
+            char = self._take(1)
+            self._body += char
+            complete = self._scan.feed(char, len(self._body) - 1, self._arguments_at)
+            if not self._arguments_at and (match := _HEADER.match(self._body)):
+                self._name, self._arguments_at = match.group(1), match.end()
+        if complete and self._body in self._bodies:
+            self._mode = "over"
+            return
+        if complete or not any(body.startswith(self._body) for body in self._bodies):
+            yield from self._release()
+        if complete:
+            self._bodies.append(self._body)
+            self._body, self._sent, self._arguments_at = "", -1, 0
+            self._mode = "closing_call" if self.syntax.call_close else "between"
+            self._scan = _ObjectScan()
+            self._calls += 1
 
     def _release(self) -> Iterator[ReplyDelta]:
         """The current call's start and the arguments not yet handed out, once its name is written."""
+        if not self._arguments_at:
+            return
         if self._sent < 0:
-            match = _HEADER.match(self._body)
-            if match is None:
-                return
-            self._names.append(match.group(1))
-            self._sent = match.end()
-            yield CallStart(self._calls, match.group(1))
-        if len(self._body) > self._sent:
-            yield ArgumentsDelta(self._calls, self._body[self._sent :])
-            self._sent = len(self._body)
+            self._sent = self._arguments_at
+            self._names.append(self._name)
+            yield CallStart(self._calls, self._name)
+        end = self._scan.value_end if self._scan.value_end > 0 else len(self._body)
+        if end > self._sent:
+            yield ArgumentsDelta(self._calls, self._body[self._sent : end])
+            self._sent = end
 
     def _take(self, count: int) -> str:
         taken, self._buffer = self._buffer[:count], self._buffer[count:]

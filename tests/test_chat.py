@@ -118,7 +118,21 @@ def test_a_template_that_knows_tools_gets_them_and_the_calls_as_objects():
     tokenizer = with_template(template)
     text = tokenizer.decode(tokens_for_chat(from_openai_messages(TOOL_TURNS), tokenizer, TOOLS))
     assert text == "[get_weather]user:Weather?;assistant:get_weather(Paris);tool:21 C;"
-    # a template without tools gets the tool parts as text instead of failing on them
+
+
+def test_a_template_without_tools_gets_them_as_text_and_the_result_in_a_tool_turn():
+    """SmolLM2's kind of template (any role by name): the tools join the system message, the call is the
+    assistant's text, and the result is a "tool" turn, not a user turn in <tool_response> markup (which
+    SmolLM2-135M-Instruct copied into its answer)."""
     chatml = with_template(CHATML)
-    text = chatml.decode(tokens_for_chat(from_openai_messages(TOOL_TURNS), chatml, TOOLS))
-    assert "<|im_start|>user\n<tool_response>\n21 C\n</tool_response><|im_end|>" in text
+    text = chatml.decode(tokens_for_chat(from_openai_messages([{"role": "system", "content": "Be kind."}, *TOOL_TURNS]),
+                                         chatml, TOOLS))
+    assert text.startswith("<|im_start|>system\nBe kind.\n\nYou can call these tools:\n")
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            "</tool_call><|im_end|>\n<|im_start|>tool\n21 C<|im_end|>\n<|im_start|>assistant\n") in text
+    assert "tool_response" not in text
+    # a template that names its roles itself (Gemma's alternation) gets the result as a user turn
+    gemma_like = with_template("{% for m in messages %}{% if m.role == 'user' %}U:{% else %}A:{% endif %}{{ m.content }}|"
+                               "{% endfor %}")
+    text = gemma_like.decode(tokens_for_chat(from_openai_messages(TOOL_TURNS), gemma_like, TOOLS))
+    assert text.endswith("U:<tool_response>\n21 C\n</tool_response>|")

@@ -3,12 +3,12 @@ it prefilled and what it reused from the session's cache; a model without a chat
 a base model; lines starting with "/" are commands. `kiln --version`; Ctrl-C during a start."""
 
 import io
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import time
 from importlib.metadata import version
 from pathlib import Path
 
@@ -71,6 +71,58 @@ def test_chat_slash_commands_are_not_sent_to_the_model(tmp_path, monkeypatch, ca
     assert "kiln chat: loading" in err  # the start names its phases
 
 
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+                   "additionalProperties": False}}}]
+
+
+def chat_with_tools(tmp_path: Path, monkeypatch, capsys, model: str, lines: list[str], *flags: str) -> tuple[str, str]:
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(WEATHER_TOOLS))
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert main(["chat", "--model", model, "--tools", str(tools), "--kv-budget-mb", "32", *flags]) == 0
+    return capsys.readouterr()
+
+
+def test_chat_tools_show_the_call_and_take_its_result(tmp_path, monkeypatch, capsys):
+    """--tool-choice required: the reply to the user is one call, printed as it parses, within its schema;
+    the next line is its result, and the reply to that may be text (auto)."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    out, err = chat_with_tools(tmp_path, monkeypatch, capsys, str(tiny_model(tmp_path)),
+                               ["What is the weather in Paris?", '{"sky": "sunny"}'], "--tool-choice", "required",
+                               "--max-tokens", "120")
+    call = re.match(r"model> \[call get_weather\] (\{.*?\})model> ", out)  # stdout holds only the replies
+    assert call, out
+    arguments = json.loads(call.group(1))
+    assert set(arguments) == {"city"} and len(arguments["city"]) <= 12
+    assert "the model called 1 tool(s): type each call's result" in err
+    assert out.count("model> ") == 2 and len(re.findall(r"prefilled \d+ · reused", err)) == 2
+
+
+def test_chat_tools_refuse_a_bad_file_or_choice(tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "get_weather"}')
+    model = str(tiny_model(tmp_path))
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["chat", "--model", model, "--tools", str(bad), "--kv-budget-mb", "8"]) == 2
+    assert f"--tools {bad} must hold a JSON list of tools" in capsys.readouterr().err
+    bad.write_text(json.dumps(WEATHER_TOOLS))
+    assert main(["chat", "--model", model, "--tools", str(bad), "--tool-choice", "get_time", "--kv-budget-mb", "8"]) == 2
+    assert "--tool-choice must be auto or required or a function of --tools" in capsys.readouterr().err
+
+
+@pytest.mark.embedded
+def test_the_embedded_instruct_model_calls_a_tool_in_chat(tmp_path, monkeypatch, capsys):
+    """`kiln chat --model smollm2-135m-instruct --tools`: a real call with the city asked about, then an
+    answer from its result."""
+    out, _ = chat_with_tools(tmp_path, monkeypatch, capsys, "smollm2-135m-instruct",
+                             ["What is the weather in Paris?", '{"temperature_c": 18, "sky": "sunny"}'],
+                             "--tool-choice", "required")
+    assert 'model> [call get_weather] {"city": "Paris"}' in out
+    assert "sunny" in out.split("model> ")[2]
+
+
 HELD_LOAD = """
 import sys, time
 from kiln.cli import main
@@ -84,14 +136,23 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def _interruptible() -> None:
+    """Ctrl-C's default disposition, as a terminal gives a command: a suite run in the background (`make test &`)
+    ignores SIGINT, and a child inherits that (Python then installs no handler, and kiln none either)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("moment", ["importing", "loading"])
 def test_ctrl_c_during_the_start_exits_130_without_a_traceback(tmp_path, moment):
-    """Ctrl-C half a second in lands while the command imports torch; the other once the load began."""
-    command = [sys.executable, *(["-m", "kiln.cli"] if moment == "importing" else ["-c", HELD_LOAD]), "serve",
+    """Ctrl-C lands while the command imports torch (just after kiln.startup, the first import of kiln.cli:
+    `-X importtime` reports each import as it completes); the other once the load began."""
+    launcher = ["-X", "importtime", "-m", "kiln.cli"] if moment == "importing" else ["-c", HELD_LOAD]
+    command = [sys.executable, *launcher, "serve",
                "--model", str(tmp_path / "no-model"), "--no-persist", "--grpc-port", "0", "--http-port", "0"]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                               preexec_fn=_interruptible)
     if moment == "importing":
-        time.sleep(0.5)
+        assert any(line.rstrip().endswith("| kiln.startup") for line in process.stderr)
     else:
         assert process.stderr.readline().startswith("kiln serve: loading")
     process.send_signal(signal.SIGINT)

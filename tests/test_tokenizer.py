@@ -1,6 +1,6 @@
 """Tokenizer parity with independent references.
 
-Embedded Gemma 3 GGUF ("llama" SentencePiece vocabulary): our ids must equal both
+Embedded Gemma 3 GGUF ("llama" SentencePiece vocabulary): our ids must equal llama.cpp's (recorded), and both
 - transformers' tokenizer converted from the same GGUF (it also matches control tokens in text), and
 - the `sentencepiece` library running a ModelProto rebuilt from the GGUF's pieces, scores and types:
   SentencePiece is what Gemma's vocabulary was trained and is run with. The references differ only on runs
@@ -8,7 +8,8 @@ Embedded Gemma 3 GGUF ("llama" SentencePiece vocabulary): our ids must equal bot
   first, while transformers merges the space runs as ordinary BPE pieces. We follow SentencePiece.
 
 A tiny Llama-2-style vocabulary checks add_space_prefix and byte fallback against SentencePiece, and a
-tiny GPT-2-style ("gpt2") GGUF written here checks the byte-level path against transformers.
+tiny GPT-2-style ("gpt2") GGUF written here checks the byte-level path against transformers, and a tiny HF
+tokenizer directory checks `from_hf_dir` against transformers (special tokens parsed or not).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kiln.models.embedded import embedded_model_path
 from kiln.models.gguf_import import read_metadata
 from kiln.tokenizer import Tokenizer
 from tests.conftest import byte_tokenizer
+from tests.test_tokenizer_llama_cpp import RECORDED, assert_matches_llama_cpp
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. It's 5 o'clock; isn't it?",
@@ -104,6 +106,12 @@ def test_gemma_matches_transformers(gemma: Tokenizer) -> None:
         assert gemma.encode(text, add_special_tokens=False) == reference.encode(
             text, add_special_tokens=False
         )
+
+
+@pytest.mark.embedded
+def test_gemma_matches_llama_cpp(gemma: Tokenizer) -> None:
+    """llama.cpp's ids for the same file (tests/fixtures/tokenizer/record.py), special tokens parsed or not."""
+    assert_matches_llama_cpp(gemma, RECORDED["sentencepiece"])
 
 
 @pytest.mark.embedded
@@ -233,3 +241,49 @@ def test_byte_level_gguf_matches_transformers(tmp_path: Path) -> None:
 def test_text_that_is_not_valid_unicode_is_invalid_argument():
     with pytest.raises(InvalidArgumentError, match="not valid Unicode.*character 3"):
         byte_tokenizer().encode("abc\ud800x")
+
+
+HF_TEXTS = [
+    "hello world, it's 12345 o'clock",
+    "<s>hi</s> <|im_start|>user\nhey<|im_end|>  <mask> x <think>y</think>",
+    "naïve café 日本 😀  \n\n\t end  ",
+]
+
+
+def write_hf_directory(directory: Path) -> None:
+    """An HF tokenizer directory: byte-level BPE trained here behind an NFC normaliser, BOS added by its
+    post-processor, a special token that swallows the spaces before it, plain added tokens, and
+    tokenizer_config.json naming BOS and EOS."""
+    trained = tokenizers.Tokenizer(tokenizers.models.BPE())
+    trained.normalizer = tokenizers.normalizers.NFC()
+    trained.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trained.decoder = tokenizers.decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    trained.train_from_iterator(HF_TEXTS * 20, trainer)
+    trained.add_special_tokens([tokenizers.AddedToken("<mask>", lstrip=True, special=True, normalized=False)])
+    trained.add_tokens([tokenizers.AddedToken(token, normalized=False) for token in ("<think>", "</think>")])
+    trained.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]
+    )
+    trained.save(str(directory / "tokenizer.json"))
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                "add_bos_token": True}
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+
+
+def test_hf_directory_matches_transformers(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    write_hf_directory(tmp_path)
+    ours = Tokenizer.from_hf_dir(tmp_path)
+    reference = AutoTokenizer.from_pretrained(tmp_path)
+    literal = AutoTokenizer.from_pretrained(tmp_path, split_special_tokens=True)
+    for text in HF_TEXTS:
+        for add in (True, False):
+            assert ours.encode(text, add_special_tokens=add) == reference.encode(text, add_special_tokens=add)
+            assert ours.encode(text, add, parse_special=False) == literal.encode(text, add_special_tokens=add)
+    assert (ours.bos_token_id, ours.eos_token_ids) == (reference.bos_token_id, (reference.eos_token_id,))

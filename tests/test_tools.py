@@ -1,9 +1,13 @@
 """Tool calls as text: ToolCallParser turns generated text back into OpenAI tool calls, piece by piece, as
-streaming sends them; the `auto` grammar keeps plain text from opening a call."""
+streaming sends them, in each model family's syntax; the grammar writes that syntax (its control tokens
+as tokens) and ends after one call when only one is allowed; the `auto` grammar keeps plain text from
+opening a call."""
 
 import pytest
+from tokenizers import AddedToken
 
 from kiln.engine.constraints import Constraint, compiler_for
+from kiln.tool_syntax import HERMES, KILN, LLAMA3, MISTRAL, PHI4, SYNTAXES, ToolSyntax, markup_decoder
 from kiln.tools import (
     ArgumentsDelta,
     CallStart,
@@ -11,16 +15,17 @@ from kiln.tools import (
     Tool,
     ToolCallParser,
     ToolChoice,
-    call_text,
     grammar,
 )
+from tests.conftest import byte_tokenizer
 
-PARIS, ROME = call_text("get_weather", '{"city": "Paris"}'), call_text("get_weather", '{"city": "Rome"}')
+PARIS, ROME = KILN.call_text("get_weather", '{"city": "Paris"}'), KILN.call_text("get_weather", '{"city": "Rome"}')
+TRICKY = '{"city": "Pa}ris \\"{[", "days": [1, {"n": 2}]}'  # braces and quotes inside strings
 
 
-def parsed(text: str, complete: bool = True, piece: int = 1) -> tuple[list, ToolCallParser]:
+def parsed(text: str, complete: bool = True, piece: int = 1, syntax: ToolSyntax = KILN) -> tuple[list, ToolCallParser]:
     """Every delta of `text` fed `piece` characters at a time, then finished."""
-    parser = ToolCallParser()
+    parser = ToolCallParser(syntax)
     deltas = [d for start in range(0, len(text), piece) for d in parser.push(text[start : start + piece])]
     return deltas + parser.finish(complete), parser
 
@@ -42,7 +47,7 @@ def test_a_repeated_call_ends_the_reply_and_is_never_handed_out(piece):
 
 
 def test_a_call_that_only_begins_like_an_earlier_one_goes_out_whole():
-    later = call_text("get_weather", '{"city": "Parisville"}')
+    later = KILN.call_text("get_weather", '{"city": "Parisville"}')
     deltas, parser = parsed(PARIS + "\n" + later)
     assert calls(deltas)[1] == ("get_weather", '{"city": "Parisville"}') and not parser.repeated
 
@@ -73,3 +78,64 @@ def test_under_auto_plain_text_cannot_open_a_call_even_after_whitespace(tiny_llm
 
     assert accepts(" Sunny. <tool_call> is how I would call it") and accepts("<tool_call>\n{")
     assert accepts(" \n<tool_call") and not accepts(" \n<tool_call>")
+
+
+@pytest.mark.parametrize("piece", [1, 2, 7, 1000])
+@pytest.mark.parametrize("syntax", SYNTAXES, ids=lambda syntax: syntax.name)
+def test_each_familys_calls_parse_streamed_and_whole(syntax, piece):
+    text = syntax.calls_text([("get_weather", TRICKY), ("ping", "{}")])
+    deltas, parser = parsed(text, piece=piece, syntax=syntax)
+    assert calls(deltas) == [("get_weather", TRICKY), ("ping", "{}")] and parser.calls_complete
+    assert not any(isinstance(d, ContentDelta) for d in deltas)
+    assert calls(parsed(syntax.calls_text([("ping", "{}")]) + syntax.separator + syntax.call_open, piece=piece,
+                        syntax=syntax)[0]) == [("ping", "{}")]  # a next call that never came is no call
+
+
+def test_llama_calls_after_python_tag_and_plain_replies_that_only_look_alike():
+    deltas, _ = parsed('<|python_tag|>{"name": "ping", "parameters": {}}', syntax=LLAMA3)
+    assert calls(deltas) == [("ping", "{}")]
+    for text in ('{"nom": 1}', "The answer is {1, 2}.", " {not a call"):
+        deltas, _ = parsed(text, syntax=LLAMA3, piece=3)
+        assert all(isinstance(d, ContentDelta) for d in deltas) and "".join(d.text for d in deltas) == text
+
+
+def test_mistral_call_ids_are_what_its_template_accepts_back():
+    assert all(len(i) == 9 and i.isalnum() for i in (MISTRAL.call_id() for _ in range(20)))
+    assert KILN.call_id().startswith("call_")
+
+
+@pytest.mark.parametrize("syntax", [MISTRAL, PHI4, LLAMA3, HERMES], ids=lambda syntax: syntax.name)
+def test_the_grammar_writes_the_familys_syntax_and_its_control_tokens_as_tokens(syntax):
+    """Written by the grammar token by token (greedily: the lowest allowed id), decoded as the server
+    decodes a tool-calling reply, and read back as the call; one call allowed: the grammar ends there."""
+    tokenizer = byte_tokenizer()
+    tokenizer.backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in syntax.special])
+    ping = Tool("ping", "", {"type": "object", "properties": {}, "additionalProperties": False})
+    rules = grammar([ping], ToolChoice("required", parallel=False), syntax=syntax, tokenizer=tokenizer)
+    matcher = compiler_for(f"bytes-{syntax.name}", tokenizer, tokenizer.backend.get_vocab_size()).matcher(
+        Constraint.grammar(rules), frozenset(tokenizer.eos_token_ids))
+    written: list[int] = []
+    while not matcher.is_terminated() and len(written) < 200:
+        allowed = matcher.allowed().nonzero().flatten().tolist()
+        token = next(t for t in allowed if t not in tokenizer.eos_token_ids) if not matcher.eos_allowed() else None
+        if token is None:
+            break
+        assert matcher.accept(token)
+        written.append(token)
+    assert matcher.eos_allowed() and not [t for t in matcher.allowed().nonzero().flatten().tolist()
+                                          if t not in tokenizer.eos_token_ids]  # nothing may follow the one call
+    text = markup_decoder(tokenizer, syntax)(written)
+    assert text == syntax.calls_text([("ping", "{}")])
+    for token in syntax.special:  # the markup's control tokens were written as themselves
+        assert (tokenizer.token_to_id(token) in written) == (token in text)
+    assert calls(parsed(text, syntax=syntax)[0]) == [("ping", "{}")]
+
+
+def test_a_repeat_is_known_when_its_object_closes_and_a_cut_repeat_leaves_a_whole_reply():
+    text = PARIS + "\n" + PARIS
+    _, parser = parsed(text[: text.rindex("}") + 1])  # the repeat's object closed, its </tool_call> not yet written
+    assert parser.repeated
+    _, cut = parsed(text[:-20], complete=False)  # max_tokens cut the repeat: nothing of it was shown
+    assert cut.calls_complete and not cut.repeated
+    _, inside = parsed(PARIS[:-20], complete=False)  # cut inside the only call: not a whole reply
+    assert not inside.calls_complete

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from kiln.models.config import ModelConfig, RopeScaling
+from kiln.models.config import ModelConfig, MoEConfig, RopeScaling
 from kiln.models.hf_config import hf_config_dict
 
 _BASE = {
@@ -47,6 +47,24 @@ TINY_CONFIGS: dict[str, ModelConfig] = {
     "qwen3": ModelConfig(
         "llama", num_layers=2, qk_norm=True, tie_word_embeddings=True, rope_theta=1e6, **_BASE
     ),
+    # 8 experts, 2 per token: rows of a step take different experts. Every layer is sparse, as llama.cpp
+    # requires of qwen3moe and qwen2moe files (test_parity's test_dense_layers_between_sparse_ones mixes).
+    "qwen3_moe": ModelConfig(
+        "llama",
+        num_layers=2,
+        qk_norm=True,
+        rope_theta=1e6,
+        moe=MoEConfig(8, 2, expert_intermediate_size=32, norm_topk_prob=True),
+        **_BASE,
+    ),
+    # Qwen2-MoE: a shared expert beside the routed ones, top-k weights not renormalised.
+    "qwen2_moe": ModelConfig(
+        "llama",
+        num_layers=2,
+        attention_bias=True,
+        moe=MoEConfig(8, 3, expert_intermediate_size=32, norm_topk_prob=False, shared_expert_intermediate_size=64),
+        **_BASE,
+    ),
     "gemma3": ModelConfig(
         "gemma3",
         num_layers=6,
@@ -59,6 +77,42 @@ TINY_CONFIGS: dict[str, ModelConfig] = {
         rope_theta=1e6,
         rope_scaling=RopeScaling("linear", 2.0),
         rope_local_theta=10000.0,
+        **_BASE,
+    ),
+    # Ministral: Mistral with sliding and full layers interleaved.
+    "ministral": ModelConfig(
+        "llama", num_layers=3, sliding_window=7, layer_types=(_SLIDING, _FULL, _SLIDING), **_BASE
+    ),
+    # Phi-3 / Phi-4-mini: fused checkpoint tensors, half of each head rotated, one window for all layers,
+    # LongRoPE with a context (1024) past the original (16): the long factors turn.
+    "phi3": ModelConfig(
+        "llama",
+        num_layers=2,
+        fused_checkpoint=True,
+        rotary_dim=8,
+        sliding_window=9,
+        rope_scaling=RopeScaling(
+            "longrope",
+            64.0,
+            original_max_position_embeddings=16,
+            long_factor=(1.0, 1.5, 3.0, 6.0),
+            short_factor=(1.0, 1.25, 1.5, 2.0),
+            attention_factor=1.25,
+        ),
+        **_BASE,
+    ),
+    # SmolLM3: every 4th layer without RoPE.
+    "smollm3": ModelConfig(
+        "llama", num_layers=4, nope_layers=(3,), tie_word_embeddings=True, rope_theta=2e6, **_BASE
+    ),
+    "olmo2": ModelConfig("olmo2", num_layers=2, rms_norm_eps=1e-5, **_BASE),
+    "granite": ModelConfig(
+        "llama",
+        num_layers=2,
+        embedding_multiplier=4.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.1,
+        logits_scaling=2.0,
         **_BASE,
     ),
 }
@@ -79,8 +133,19 @@ def random_hf_model(config: ModelConfig, seed: int = 0) -> PreTrainedModel:
 
 
 def hf_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
-    """Parameters by HF name as a checkpoint stores them: a tied lm_head is not saved."""
-    tensors = dict(model.state_dict())
+    """Parameters by HF name as a checkpoint stores them: a tied lm_head is not saved, and the experts
+    transformers fuses into 3-D tensors (mlp.experts.gate_up_proj [experts, 2 * inner, hidden]) are one
+    tensor per expert and projection (mlp.experts.3.gate_proj.weight), as save_pretrained writes them."""
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        prefix = name.removesuffix("gate_up_proj").removesuffix("down_proj")
+        if not prefix.endswith(".experts."):
+            tensors[name] = tensor
+        elif name.endswith("gate_up_proj"):
+            for expert, (gate, up) in enumerate(zip(*tensor.chunk(2, dim=1), strict=True)):
+                tensors |= {f"{prefix}{expert}.gate_proj.weight": gate, f"{prefix}{expert}.up_proj.weight": up}
+        else:
+            tensors |= {f"{prefix}{expert}.down_proj.weight": down for expert, down in enumerate(tensor)}
     if model.config.tie_word_embeddings:
         del tensors["lm_head.weight"]
     return tensors
@@ -97,4 +162,4 @@ def _randomize(model: PreTrainedModel, generator: torch.Generator) -> None:
         elif "embed_tokens" in name:
             param.copy_(noise)
         else:
-            param.copy_(noise * param.shape[1] ** -0.5)
+            param.copy_(noise * param.shape[-1] ** -0.5)  # fan-in: a 3-D expert tensor's too

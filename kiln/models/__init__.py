@@ -9,11 +9,12 @@ from kiln.models.causal_lm import CausalLM
 from kiln.models.config import ModelConfig
 from kiln.models.gemma3 import Gemma3
 from kiln.models.llama import Llama
+from kiln.models.olmo2 import Olmo2
 from kiln.models.quant import quantize_model
 
 __all__ = ["ARCHITECTURES", "build_model", "quantize_model"]
 
-ARCHITECTURES: dict[str, type[CausalLM]] = {"llama": Llama, "gemma3": Gemma3}
+ARCHITECTURES: dict[str, type[CausalLM]] = {"llama": Llama, "gemma3": Gemma3, "olmo2": Olmo2}
 
 
 def build_model(

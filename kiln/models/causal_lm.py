@@ -118,7 +118,7 @@ class CausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.fused = module.weight.ndim == 1 and module.weight.shape[0] % 8 == 0
             elif isinstance(module, Attention):
-                module.fused = module.head_dim % 16 == 0
+                module.fused = module.kernel_ready
             elif isinstance(module, GatedMLP):
                 module.fused = True  # the kernel takes every activation of layers.ACTIVATIONS
 
@@ -161,9 +161,10 @@ class CausalLM(nn.Module):
                     row += source.rows
 
     def _hf_plan(self) -> dict[str, tuple[HFSource, ...]]:
-        """Each parameter's name -> the HF tensors filling it, row block by row block."""
+        """Each parameter's name -> the HF tensors filling it, row block by row block. A checkpoint that
+        fuses projections as Kiln does (config.fused_checkpoint: Phi-3) fills each parameter from one tensor."""
         fused: dict[str, tuple[HFSource, ...]] = {}
-        for prefix, module in self.named_modules():
+        for prefix, module in () if self.config.fused_checkpoint else self.named_modules():
             hf_sources = getattr(module, "hf_sources", None)
             for local, sources in hf_sources().items() if hf_sources else ():
                 fused[f"{prefix}.{local}"] = tuple(

@@ -14,7 +14,7 @@ to exactly the values the whole table would decode to. Used only where the table
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,14 +50,21 @@ class StoredRows:
         """The whole matrix, float32 (a fresh copy), decoded a block of rows at a time so that no decoding
         temporary is the size of the matrix."""
         out = torch.empty(self.rows, self.cols)
+        start = 0
+        for block in self.blocks():
+            out[start : start + len(block)] = block
+            start += len(block)
+        return out
+
+    def blocks(self) -> Iterator[torch.Tensor]:
+        """The matrix as consecutive float32 blocks of rows, each read and decoded when asked for."""
         with self.path.open("rb") as file:
             file.seek(self.offset)
             for start in range(0, self.rows, _BLOCK_ROWS):
                 raw = np.empty((min(_BLOCK_ROWS, self.rows - start), self.row_bytes), dtype=np.uint8)
                 if file.readinto(raw) != raw.nbytes:
                     raise OSError(f"{self.path} is shorter than its header says (rows from {start})")
-                out[start : start + len(raw)] = torch.from_numpy(self.decode(raw).reshape(len(raw), self.cols))
-        return out
+                yield torch.from_numpy(self.decode(raw).reshape(len(raw), self.cols))
 
 
 class FileEmbedding(nn.Module):

@@ -6,12 +6,14 @@ llama.cpp's converter changes some weights on the way in; each change is undone 
 what the transformers checkpoint held:
 
 - Gemma norm weights are stored as 1 + w (HF Gemma's RMSNorm scales by 1 + w): 1 is subtracted.
-- Llama q/k projection rows are permuted into llama.cpp's RoPE layout: they are permuted back.
-  (qwen2, qwen3 and gemma3 files are not permuted.)
+- Llama q/k projection rows are permuted into llama.cpp's RoPE layout: they are permuted back (in llama,
+  smollm3 and granite files; qwen2, qwen3, gemma3, phi3 and olmo2 files are not permuted).
+- A mixture of experts' experts are stacked into one tensor per projection (blk.N.ffn_gate_exps): each
+  expert is its own tensor again, a byte range of the stack.
 - Llama 3 RoPE scaling is stored as one divisor per frequency (rope_freqs): it is fitted back to
   transformers' llama3 parameters.
 - Gemma 3 facts llama.cpp hard-codes rather than stores (layer pattern, local RoPE base, attention scale)
-  are filled in the way llama.cpp does.
+  are filled in the way llama.cpp does; so are SmolLM3's NoPE layers (every 4th).
 
 GGUF lists a tensor's shape innermost dimension first; torch order is the reverse.
 """
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,13 +32,15 @@ import numpy as np
 import torch
 
 from kiln.errors import InvalidArgumentError
-from kiln.models.config import LayerType, ModelConfig, RopeScaling
+from kiln.models.config import LayerType, ModelConfig, MoEConfig, RopeScaling
 from kiln.models.file_embedding import StoredRows
 from kiln.models.hf_config import GEMMA3_LOCAL_ROPE_THETA
 from kiln.models.tensor_source import StoredTensor, TensorSource
 from kiln.tokenizer import Tokenizer
 
-SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = (
+    "gemma3", "granite", "llama", "olmo2", "phi3", "qwen2", "qwen2moe", "qwen3", "qwen3moe", "smollm3"
+)
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
@@ -50,7 +54,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router (kiln/models/moe.py)
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# A layer's experts stacked into one [experts, rows, cols] tensor per projection.
+_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_SHARED_EXPERT_GATE = "ffn_gate_inp_shexp"  # a vector in GGUF, a [1, hidden] matrix in HF
 _LLAMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "post_attention_layernorm"}
 # Gemma puts a norm on both sides of attention and of the MLP.
 _GEMMA3_LAYER_NAMES = {
@@ -59,11 +70,35 @@ _GEMMA3_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# OLMo 2 norms sublayer outputs only; Phi-3 stores q/k/v and gate/up fused, as Kiln's modules hold them.
+_OLMO2_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_PHI3_LAYER_NAMES = {
+    **_LLAMA_LAYER_NAMES,
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
+}
+_LAYER_NAMES_BY_ARCH = {"gemma3": _GEMMA3_LAYER_NAMES, "olmo2": _OLMO2_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
+# Architectures whose converter permutes q/k rows for llama.cpp's interleaved RoPE (LLAMA_ROPE_TYPE_NORM).
+_ROPE_PERMUTED = ("granite", "llama", "smollm3")
+# The weight types llama.cpp writes for dense models (its converter's and llama-quantize's usual outputs),
+# decoded by gguf-py to what ggml's own dequantisation gives (tests/models/test_gguf_weight_types.py).
+# Others (the 1-3-bit IQ and TQ types, MXFP4, ...) are refused by name.
+WEIGHT_TYPES = tuple(
+    gguf.GGMLQuantizationType[name]
+    for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                 "Q6_K", "IQ4_NL", "IQ4_XS")
+)
 _EMBEDDINGS = "model.embed_tokens.weight"  # stored as the checkpoint held it: readable row by row
 _ROPE_FREQS = "rope_freqs.weight"  # folded into ModelConfig.rope_scaling, not a model tensor
+_LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's, folded likewise
 
 # llama.cpp: every 6th Gemma 3 layer is global; the 27B model (62 layers) scales scores by hidden / heads.
 _GEMMA3_GLOBAL_EVERY = 6
+_SMOLLM3_NOPE_EVERY = 4  # llama.cpp: n_no_rope_layer_step
 _GEMMA3_27B_LAYERS = 62
 _LLAMA3_DEFAULT_ORIGINAL_CONTEXT = 8192
 _LLAMA3_DEFAULT_BAND = (1.0, 4.0)  # low/high frequency factors of every Llama 3.x release
@@ -74,7 +109,7 @@ _LLAMA3_DIGITS = 3
 def read_gguf(path: Path) -> tuple[ModelConfig, GGUFTensors, Tokenizer]:
     """Config, where each tensor lies (under HF names) and tokenizer of a GGUF file; `gguf_tensor_source`
     reads the tensors. Raises InvalidArgumentError for files that are not GGUF, are truncated or
-    damaged, or describe an unsupported architecture."""
+    damaged, describe an unsupported architecture or hold a tensor of a type not in WEIGHT_TYPES."""
     reader = _open(path)
     metadata = _metadata(reader)
     arch = metadata.get("general.architecture")
@@ -82,6 +117,8 @@ def read_gguf(path: Path) -> tuple[ModelConfig, GGUFTensors, Tokenizer]:
         raise InvalidArgumentError(
             f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    for tensor in reader.tensors:
+        _weight_type(int(tensor.tensor_type), tensor.name)
     tokenizer = Tokenizer.from_gguf(metadata)
     by_name = {tensor.name: tensor for tensor in reader.tensors}
     config = _config(metadata, arch, by_name, tokenizer)
@@ -163,7 +200,7 @@ def _config(
     if "token_embd.weight" not in tensors:
         raise InvalidArgumentError(f"GGUF file has no token_embd.weight tensor ({arch})")
     return ModelConfig(
-        architecture="gemma3" if gemma else "llama",
+        architecture="gemma3" if gemma else "olmo2" if arch == "olmo2" else "llama",
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
         intermediate_size=value("feed_forward_length"),
@@ -173,16 +210,18 @@ def _config(
         head_dim=head_dim,
         rms_norm_eps=_f32(value("attention.layer_norm_rms_epsilon")),
         rope_theta=theta,
-        rope_scaling=_rope_scaling(value, tensors.get(_ROPE_FREQS), head_dim, theta),
+        rope_scaling=_longrope_scaling(value, tensors) or _rope_scaling(value, tensors.get(_ROPE_FREQS), head_dim, theta),
         rope_local_theta=_f32(value("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA)) if gemma else None,
         max_position_embeddings=value("context_length"),
         sliding_window=value("attention.sliding_window") if gemma else None,
-        layer_types=_gemma3_layer_types(layers) if gemma else (),
+        layer_types=_swa_layer_types(metadata, arch, layers, _GEMMA3_GLOBAL_EVERY) if gemma else (),
         attention_bias="blk.0.attn_q.bias" in tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors and arch != "olmo2",  # OLMo 2's norm whole projections
         tie_word_embeddings="output.weight" not in tensors,
         hidden_act="gelu_pytorch_tanh" if gemma else "silu",
         query_pre_attn_scalar=_gemma3_query_scale(layers, hidden, heads, head_dim) if gemma else None,
+        **_family_fields(value, arch, layers, head_dim, tensors),
+        moe=_moe(value, arch, layers, tensors) if arch in ("qwen2moe", "qwen3moe") else None,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
         name=metadata.get("general.name", ""),
@@ -213,15 +252,110 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _gemma3_layer_types(layers: int) -> tuple[LayerType, ...]:
-    return tuple(
-        "full_attention" if (i + 1) % _GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
-        for i in range(layers)
-    )
+def _swa_layer_types(metadata: Mapping[str, Any], arch: str, layers: int, every: int) -> tuple[LayerType, ...]:
+    """llama.cpp's load_swa_pattern: `<arch>.attention.sliding_window_pattern` is one flag per layer (true:
+    sliding) or a period n (every n-th layer global; 0: none), else the architecture's period `every`."""
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", every)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise InvalidArgumentError(f"GGUF sliding_window_pattern has {len(pattern)} flags for {layers} layers")
+        sliding = [bool(flag) for flag in pattern]
+    else:
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    return tuple("sliding_attention" if flag else "full_attention" for flag in sliding)
+
+
+def _family_fields(
+    value: Callable[..., Any], arch: str, layers: int, head_dim: int, tensors: Mapping[str, gguf.ReaderTensor]
+) -> dict[str, Any]:
+    """ModelConfig fields of Phi-3 (fused tensors, partial rotary), SmolLM3 (NoPE layers), Granite
+    (multipliers; llama.cpp reads a missing or zero scale as none) and OLMo 2, as llama.cpp computes them."""
+    rotary_dim = value("rope.dimension_count", head_dim)
+    if rotary_dim != head_dim and arch != "phi3":
+        raise InvalidArgumentError(f"GGUF {arch} rotates {rotary_dim} of {head_dim} dims per head, which Kiln does not support")
+    if arch == "olmo2" and value("attention.sliding_window", 0):
+        raise InvalidArgumentError("GGUF olmo2 with a sliding window (OLMo 3) is not supported")
+    if arch == "phi3":
+        return {"fused_checkpoint": True, "rotary_dim": rotary_dim if rotary_dim != head_dim else None}
+    if arch == "smollm3":
+        return {"nope_layers": tuple(i for i in range(layers) if (i + 1) % _SMOLLM3_NOPE_EVERY == 0)}
+    if arch == "granite":
+        return {
+            "embedding_multiplier": _f32(value("embedding_scale", 0.0) or 1.0),
+            "residual_multiplier": _f32(value("residual_scale", 0.0) or 1.0),
+            "attention_multiplier": _f32(value("attention.scale", 0.0)) or None,
+            "logits_scaling": _f32(value("logit_scale")),
+        }
+    return {}
+
+
+def _moe(
+    value: Callable[..., Any], arch: str, layers: int, tensors: Mapping[str, gguf.ReaderTensor]
+) -> MoEConfig:
+    """The experts of a qwen3moe / qwen2moe file as llama.cpp reads them: a layer is sparse where it has a
+    router (ffn_gate_inp); qwen3moe renormalises the top-k weights and qwen2moe does not (llama.cpp
+    hard-codes both, as transformers' configs of those models set them); widths missing from the
+    metadata default as llama.cpp's do."""
+    sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    dense_width, used = value("feed_forward_length"), value("expert_used_count")
+    shared = any(f"blk.{i}.ffn_up_shexp.weight" in tensors for i in sparse)
+    try:
+        return MoEConfig(
+            num_experts=value("expert_count"),
+            experts_per_token=used,
+            expert_intermediate_size=value("expert_feed_forward_length", dense_width // max(used, 1)),
+            norm_topk_prob=arch == "qwen3moe",
+            shared_expert_intermediate_size=value("expert_shared_feed_forward_length", dense_width) if shared else 0,
+            mlp_only_layers=tuple(i for i in range(layers) if i not in sparse),
+        )
+    except ValueError as error:
+        raise InvalidArgumentError(f"GGUF {arch} experts: {error}") from error
+
+
+def _moe_entries(name: str, entry: GGUFTensor) -> dict[str, GGUFTensor]:
+    """A mixture of experts' tensors llama.cpp stores otherwise than the HF checkpoint, under HF names; {}
+    for any other tensor. A stack of experts (blk.N.ffn_gate_exps, experts outermost) becomes one entry
+    per expert, each its byte range of the stack, so an expert is read (and dequantised) alone."""
+    parts = name.split(".")
+    if len(parts) != 4 or parts[0] != "blk":
+        return {}
+    _, layer, kind, suffix = parts
+    prefix = f"model.layers.{layer}.mlp"
+    if kind == _SHARED_EXPERT_GATE:
+        return {f"{prefix}.shared_expert_gate.{suffix}": replace(entry, shape=(1, entry.shape[-1]))}
+    if kind not in _EXPERT_STACKS or len(entry.shape) != 3:
+        return {}
+    experts, projection = entry.shape[0], _EXPERT_STACKS[kind]
+    size = entry.n_bytes // experts
+    return {
+        f"{prefix}.experts.{expert}.{projection}.{suffix}": GGUFTensor(
+            entry.offset + expert * size, size, entry.ggml_type, entry.shape[1:]
+        )
+        for expert in range(experts)
+    }
 
 
 def _gemma3_query_scale(layers: int, hidden: int, heads: int, head_dim: int) -> float:
     return float(hidden // heads if layers == _GEMMA3_27B_LAYERS else head_dim)
+
+
+def _longrope_scaling(value: Callable[..., Any], tensors: Mapping[str, gguf.ReaderTensor]) -> RopeScaling | None:
+    """Phi-3's LongRoPE: per-frequency divisors for long and short contexts, and the factor llama.cpp
+    multiplies cos and sin by; llama.cpp picks the long ones when its context exceeds the original one."""
+    long, short = (tensors.get(name) for name in _LONGROPE_FACTORS)
+    if long is None and short is None:
+        return None
+    if long is None or short is None:
+        raise InvalidArgumentError("GGUF has only one of rope_factors_long and rope_factors_short")
+    original = value("rope.scaling.original_context_length")
+    return RopeScaling(
+        "longrope",
+        value("context_length") / original,
+        original_max_position_embeddings=original,
+        long_factor=tuple(map(_f32, _dequantize(long))),
+        short_factor=tuple(map(_f32, _dequantize(short))),
+        attention_factor=_f32(value("rope.scaling.attn_factor", 1.0)),
+    )
 
 
 def _rope_scaling(
@@ -260,15 +394,14 @@ def _llama3_scaling(divisors: np.ndarray, head_dim: int, theta: float, original:
 
 
 def _tensor_table(tensors: Sequence[gguf.ReaderTensor], arch: str) -> GGUFTensors:
-    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LLAMA_LAYER_NAMES
+    layer_names = _LAYER_NAMES_BY_ARCH.get(arch, _LLAMA_LAYER_NAMES)
     table = {}
     for tensor in tensors:
-        if tensor.name == _ROPE_FREQS:
+        if tensor.name in (_ROPE_FREQS, *_LONGROPE_FACTORS):
             continue
         shape = tuple(reversed(tensor.shape.tolist()))
-        table[_hf_name(tensor.name, layer_names)] = GGUFTensor(
-            int(tensor.data_offset), int(tensor.n_bytes), int(tensor.tensor_type), shape
-        )
+        entry = GGUFTensor(int(tensor.data_offset), int(tensor.n_bytes), int(tensor.tensor_type), shape)
+        table |= _moe_entries(tensor.name, entry) or {_hf_name(tensor.name, layer_names): entry}
     return GGUFTensors(arch, table)
 
 
@@ -302,22 +435,27 @@ def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
 def _dequantize_rows(raw: np.ndarray, ggml_type: int, name: str = "") -> np.ndarray:
     """float32 rows of GGML type `ggml_type` stored in `raw` ([rows, bytes per row]): each row decodes on
     its own, so a few rows decode to what the whole tensor would hold there."""
-    qtype = gguf.GGMLQuantizationType(ggml_type)
-    try:
-        return gguf.quants.dequantize(raw, qtype)
-    except NotImplementedError as error:
+    return gguf.quants.dequantize(raw, _weight_type(ggml_type, name))
+
+
+def _weight_type(ggml_type: int, name: str) -> gguf.GGMLQuantizationType:
+    """The GGML type of tensor `name`, when it is one of WEIGHT_TYPES; InvalidArgumentError naming it if not."""
+    qtype = gguf.GGMLQuantizationType(ggml_type)  # GGUFReader refused a file of a type gguf-py does not know
+    if qtype not in WEIGHT_TYPES:
         raise InvalidArgumentError(
-            f"GGUF tensor {name} has type {qtype.name}, which cannot be dequantised"
-        ) from error
+            f"GGUF tensor {name} has weight type {qtype.name}, which Kiln does not read; "
+            f"supported: {', '.join(t.name for t in WEIGHT_TYPES)}"
+        )
+    return qtype
 
 
 def _restore(name: str, weight: np.ndarray, arch: str, config: ModelConfig) -> np.ndarray:
     """Undo llama.cpp's converter for one tensor (see the module docstring)."""
     if arch == "gemma3" and name.endswith("norm.weight"):
         return weight - np.float32(1.0)
-    if arch == "llama" and ".q_proj." in name:
+    if arch in _ROPE_PERMUTED and ".q_proj." in name:
         return _unpermute_rope(weight, config.num_heads)
-    if arch == "llama" and ".k_proj." in name:
+    if arch in _ROPE_PERMUTED and ".k_proj." in name:
         return _unpermute_rope(weight, config.num_kv_heads)
     return weight
 

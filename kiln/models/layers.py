@@ -91,6 +91,11 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling |
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "longrope":  # RopeScaling says which factors
+        factors = scaling.long_factor if scaling.factor > 1.0 else scaling.short_factor
+        if len(factors) != len(exponents):
+            raise InvalidArgumentError(f"LongRoPE has {len(factors)} factors for {len(exponents)} frequencies")
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu") * theta**exponents)
     # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate the band between.
     old_context = scaling.original_max_position_embeddings
     low_freq_wavelen = old_context / scaling.low_freq_factor
@@ -112,6 +117,7 @@ class RotaryEmbedding:
 
     def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
         self.inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
+        self.attention_factor = scaling.attention_factor if scaling is not None else 1.0  # LongRoPE's
         self._cos = self._sin = torch.empty(0, device="cpu")
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,13 +134,19 @@ class RotaryEmbedding:
         freqs = (
             torch.arange(num_positions, device=device).float()[:, None] * self.inv_freq.to(device)[None, :]
         )
-        self._cos, self._sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        scale = self.attention_factor  # 1.0 but for LongRoPE: exact either way
+        self._cos, self._sin = (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [N, heads, head_dim]; cos/sin: [N, 1, head_dim / 2]. Equals HF's x*cos + rotate_half(x)*sin."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x: [N, heads, head_dim]; cos/sin: [N, 1, rotary_dim / 2]. Equals HF's x*cos + rotate_half(x)*sin
+    over the first rotary_dim dims of each head; the rest pass unchanged (Phi-3's partial rotary)."""
+    half = cos.shape[-1]
+    if 2 * half == x.shape[-1]:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
 
 class GatedMLP(nn.Module):
@@ -168,7 +180,8 @@ class Attention(nn.Module):
     """Self-attention of one layer over the paged KV cache.
 
     q/k/v come from one fused projection; with `config.qk_norm` every q and k head is RMS-normed (Qwen3,
-    Gemma 3) before RoPE. `norm_offset` selects Gemma's (1 + w) norm. Scores are scaled by
+    Gemma 3) before RoPE. `norm_offset` selects Gemma's (1 + w) norm. RoPE turns the first
+    `config.rotary_dim` dims of each head, and none in `config.nope_layers`. Scores are scaled by
     `config.attention_scale`; which keys a query sees (causal, window, padding) is the batch mask's job.
     """
 
@@ -177,6 +190,8 @@ class Attention(nn.Module):
         self.layer = layer
         self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.scale = config.attention_scale
+        self.uses_rope = layer not in config.nope_layers
+        self.rotary_dim = config.rotary_dim or self.head_dim
         qkv_rows = (self.heads + 2 * self.kv_heads) * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, qkv_rows, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
@@ -198,9 +213,15 @@ class Attention(nn.Module):
             v = qkv[:, self.heads + self.kv_heads :]
         else:
             qk, v = qkv.split([self.heads + self.kv_heads, self.kv_heads], dim=1)
-            q, k = apply_rotary(qk if self.qk_norm is None else self.qk_norm(qk), cos, sin).split([self.heads, self.kv_heads], dim=1)
+            qk = qk if self.qk_norm is None else self.qk_norm(qk)
+            q, k = (apply_rotary(qk, cos, sin) if self.uses_rope else qk).split([self.heads, self.kv_heads], dim=1)
         out = paged_attention(q, k, v, self.layer, batch, self.scale)
         return self.o_proj(out.reshape(n, self.heads * self.head_dim))
+
+    @property
+    def kernel_ready(self) -> bool:
+        """Whether the fused q/k norm + RoPE kernel computes this layer: it rotates whole heads always."""
+        return self.head_dim % 16 == 0 and self.uses_rope and self.rotary_dim == self.head_dim
 
     def hf_sources(self) -> dict[str, tuple[HFSource, ...]]:
         q_rows, kv_rows = self.heads * self.head_dim, self.kv_heads * self.head_dim

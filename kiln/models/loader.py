@@ -1,11 +1,12 @@
 """load_model: any model source -> config, fp32 tensors under Hugging Face names, tokenizer, fingerprint.
 
-Sources: None (the embedded Gemma 3 270M), an HF-style directory (config.json, *.safetensors, possibly
-sharded, tokenizer.json), or a GGUF file. A GGUF file's description (config, tokenizer, where each tensor
-lies) is read once and then from the converted-weight cache (see weight_cache). Every path returns
-exactly the tensors the model definition expects, with shapes checked against the config, so a bad
-source fails here with a clear message. The tensors are a TensorSource: read from their files when the
-engine builds its model, never all held at once (kiln/models/tensor_source.py says why).
+Sources: a name (kiln/models/catalog.py; None: the embedded Gemma 3 270M), an HF-style directory
+(config.json, *.safetensors, possibly sharded, tokenizer.json), or a GGUF file. A GGUF file's description
+(config, tokenizer, where each tensor lies) is read once and then from the converted-weight cache (see
+weight_cache). Every path returns exactly the tensors the model definition expects, with shapes checked
+against the config, so a bad source fails here with a clear message. The tensors are a TensorSource: read
+from their files when the engine builds its model, never all held at once (kiln/models/tensor_source.py
+says why).
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import torch
 
 from kiln.errors import InvalidArgumentError
 from kiln.models import weight_cache
+from kiln.models.catalog import resolve
 from kiln.models.config import ModelConfig
 from kiln.models.file_embedding import StoredRows
+from kiln.models.generation_config import GenerationDefaults
 from kiln.models.gguf_import import gguf_tensor_source, read_gguf
 from kiln.models.hf_config import config_from_hf
+from kiln.models.moe import sparse_layer_shapes
 from kiln.models.tensor_source import TensorSource, safetensors_source, shapes_of
 from kiln.startup import phase
 from kiln.tokenizer import Tokenizer
@@ -57,6 +61,14 @@ class LoadedModel:
     source: Path
     fingerprint: str
     cache_entry: Path | None = None  # where artifacts derived from these weights may be kept (quantised copies)
+    generation_defaults: GenerationDefaults = GenerationDefaults()  # an HF directory's generation_config.json
+    catalog_name: str | None = None  # the name it was loaded by (kiln/models/catalog.py); None when given by path
+
+    @property
+    def display_name(self) -> str:
+        """What a banner and the API call it: the name it was loaded by, else its file's name for it, else
+        the file's own name."""
+        return self.catalog_name or self.config.name or self.source.name
 
     def stored_rows(self, name: str) -> StoredRows | None:
         """Where matrix `name` lies row by row in its file, when it does (kiln/models/file_embedding.py)."""
@@ -73,22 +85,20 @@ class LoadedModel:
 
 
 def load_model(source: str | Path | None = None, cache_dir: Path | None = None) -> LoadedModel:
-    """Load `source` (None = the embedded model). `cache_dir` defaults to $KILN_CACHE_DIR or
-    ~/.cache/kiln. Raises InvalidArgumentError for missing paths and unsupported, truncated or
-    incomplete sources."""
-    if source is None:
-        # Imported here: `kiln` imports this module, and embedded must stay unimported until it runs as
-        # `python -m kiln.models.embedded`.
-        from kiln.models.embedded import embedded_model_path
-
-        source = embedded_model_path()
-    path = Path(source).expanduser()
+    """Load `source`: a model's name or path, as `--model` takes it (kiln/models/catalog.py; None = the
+    default embedded model). `cache_dir` defaults to $KILN_CACHE_DIR or ~/.cache/kiln. Raises
+    InvalidArgumentError for unknown names, missing paths and unsupported, truncated or incomplete sources."""
+    entry = resolve(source)
+    path = entry.path()
     cache = Path(cache_dir) if cache_dir is not None else weight_cache.default_cache_dir()
     if path.is_dir():
-        return _load_hf_dir(path, cache)
-    if path.is_file():
-        return _load_gguf(path, cache)
-    raise InvalidArgumentError(f"model path {path} does not exist")
+        loaded = _load_hf_dir(path, cache)
+    elif path.is_file():
+        loaded = _load_gguf(path, cache)
+    else:
+        raise InvalidArgumentError(f"model path {path} is neither a GGUF file nor a model directory")
+    loaded.catalog_name = None if entry.origin == "path" else entry.name
+    return loaded
 
 
 def _load_gguf(path: Path, cache: Path) -> LoadedModel:
@@ -118,7 +128,7 @@ def _load_hf_dir(path: Path, cache: Path) -> LoadedModel:
     except ValueError as error:
         raise InvalidArgumentError(f"{config_file} is not valid JSON: {error}") from error
     config = config_from_hf(raw_config)
-    shards = _shards(path)
+    shards = shard_files(path)
     tensors = safetensors_source(shards).renamed(_text_model_name)
     described = [path / name for name in (*_HF_DESCRIPTION_FILES, _SHARD_INDEX) if (path / name).is_file()]
     hashes = {file.name: weight_cache.file_sha256(file, cache) for file in [*described, *shards]}
@@ -130,10 +140,11 @@ def _load_hf_dir(path: Path, cache: Path) -> LoadedModel:
         path,
         key,
         cache / key,
+        GenerationDefaults.from_hf_dir(path),
     )
 
 
-def _shards(path: Path) -> list[Path]:
+def shard_files(path: Path) -> list[Path]:
     """The safetensors files holding the weights: those the shard index names, else all in the directory."""
     index = path / _SHARD_INDEX
     if index.is_file():
@@ -208,9 +219,26 @@ def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             "pre_feedforward_layernorm.weight": (hidden,),
             "post_feedforward_layernorm.weight": (hidden,),
         }
+    if config.architecture == "olmo2":  # post-norms only; q/k normed over the whole projection
+        del layer["input_layernorm.weight"]
+        layer |= {
+            "self_attn.q_norm.weight": (q_rows,),
+            "self_attn.k_norm.weight": (kv_rows,),
+            "post_feedforward_layernorm.weight": (hidden,),
+        }
+    if config.fused_checkpoint:  # Phi-3
+        for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            del layer[name]
+        layer |= {
+            "self_attn.qkv_proj.weight": (q_rows + 2 * kv_rows, hidden),
+            "mlp.gate_up_proj.weight": (2 * config.intermediate_size, hidden),
+        }
     shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,)}
+    dense_mlp = {name: layer.pop(name) for name in [*layer] if name.startswith("mlp.")}
     for index in range(config.num_layers):
-        shapes |= {f"model.layers.{index}.{name}": shape for name, shape in layer.items()}
+        moe = config.moe if config.moe is not None and config.moe.is_sparse(index) else None
+        mlp = dense_mlp if moe is None else sparse_layer_shapes(hidden, moe)
+        shapes |= {f"model.layers.{index}.{name}": shape for name, shape in (layer | mlp).items()}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     return shapes

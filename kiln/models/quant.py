@@ -33,6 +33,7 @@ from torch import nn
 
 from kiln.errors import InvalidArgumentError
 from kiln.kernels import kernels
+from kiln.models.file_embedding import FileEmbedding
 from kiln.models.weight_cache import save_atomically
 from kiln.startup import progress
 
@@ -79,25 +80,30 @@ class QuantizedLinear(nn.Module):
         """From a float32 [N, K] weight (not modified)."""
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             raise InvalidArgumentError(f"quantization needs float32 CPU weights, got {weight.dtype} on {weight.device}")
-        if fmt not in KERNEL_FORMATS:
-            raise InvalidArgumentError(f"quantization must be one of {list(QUANTIZATIONS)}, got {fmt!r}")
-        if weight.shape[1] % 8:
-            raise InvalidArgumentError(f"{fmt} weights need in_features divisible by 8, got {weight.shape[1]}")
-        if fmt == "int8" and weight.shape[1] > INT8_MAX_FEATURES:
-            raise InvalidArgumentError(f"int8 weights take at most {INT8_MAX_FEATURES} in_features, got {weight.shape[1]}")
+        _check_format(fmt, weight.shape[1])
         weight = weight.detach()
         bias = None if bias is None else bias.detach().contiguous()
         if fmt == "float32":
             return cls(fmt, pack(weight), None, bias, weight.shape[0])
-        scale = torch.empty(weight.shape[0])
-        q = torch.empty(weight.shape, dtype=torch.int8)
-        # Row blocks: each row's scale and codes depend on that row alone, and the float32 temporaries stay a
-        # block's size (a whole vocabulary matrix would need several copies of itself at once).
-        for start in range(0, weight.shape[0], _QUANTIZE_ROWS):
-            rows = weight[start : start + _QUANTIZE_ROWS]
-            scale[start : start + len(rows)] = rows.abs().amax(dim=1).clamp(min=1e-12) / 127
-            q[start : start + len(rows)] = torch.round(rows / scale[start : start + len(rows), None]).clamp(-127, 127)
-        return cls(fmt, pack(q), scale, bias, weight.shape[0])
+        return cls.quantize_blocks(weight.split(_QUANTIZE_ROWS), weight.shape, bias)
+
+    @classmethod
+    def quantize_blocks(cls, blocks: Iterable[torch.Tensor], shape: tuple[int, int],
+                        bias: torch.Tensor | None = None) -> QuantizedLinear:
+        """int8 from a float32 [N, K] matrix given as its consecutive row blocks, each used once. Each row's
+        scale and codes depend on that row alone, so the float32 temporaries stay a block's size (a whole
+        vocabulary matrix would need several copies of itself at once), and a matrix read from its file a
+        block at a time is never resident whole."""
+        _check_format("int8", shape[1])
+        scale = torch.empty(shape[0])
+        q = torch.empty(shape, dtype=torch.int8)
+        start = 0
+        for rows in blocks:
+            end = start + len(rows)
+            scale[start:end] = rows.abs().amax(dim=1).clamp(min=1e-12) / 127
+            q[start:end] = torch.round(rows / scale[start:end, None]).clamp(-127, 127)
+            start = end
+        return cls("int8", pack(q), scale, bias, shape[0])
 
     def dequantized(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 [N, K] matrix the stored weights stand for, written to `out` when given."""
@@ -138,25 +144,48 @@ def quantize_model(
     if fmt not in KERNEL_FORMATS:
         raise InvalidArgumentError(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {fmt!r}")
     kernels()  # build (or load) the kernels now, not inside the first request
-    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    # Names, not modules: a replaced nn.Linear must become garbage at once, or every float32 matrix read
+    # for quantising stays resident until the end (a 1.7B model's first load peaked at 9 GB so).
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     stored = load_file(cache_file) if cache_file is not None and fmt != "float32" and cache_file.exists() else None
     built: dict[str, QuantizedLinear] = {}
-    layers: Iterable[tuple[str, nn.Linear]] = linears.items()
+    layers: Iterable[str] = names
     if stored is None and fmt != "float32":
         kept = f" (once: kept in {cache_file.parent})" if cache_file is not None else ""
-        layers = progress(layers, len(linears), f"converting the weights to {fmt}{kept}", "matrices")
-    for name, linear in layers:
-        built[name] = _stored_layer(stored, name, fmt) or _quantized_layer(model, name, linear, fmt, tensors)
-        if name != "lm_head":  # an untied head is swapped by use_head below
+        layers = progress(names, len(names), f"converting the weights to {fmt}{kept}", "matrices")
+    for name in layers:
+        built[name] = _stored_layer(stored, name, fmt) or _quantized_layer(model, name, fmt, tensors)
+        if name == "lm_head":
+            model.use_head(built[name])
+        else:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, built[name])
     head_name = "lm_head" if model.lm_head is not None else "tied_lm_head"
     if head_name not in built:
-        built[head_name] = _stored_layer(stored, head_name, fmt) or QuantizedLinear.quantize(model.head_weight, None, fmt)
+        built[head_name] = _stored_layer(stored, head_name, fmt) or _tied_head(model, fmt)
     if cache_file is not None and fmt != "float32" and stored is None:
         save_atomically(cache_file, {f"{name}.{key}": t for name, m in built.items() for key, t in m.state_dict().items()})
     model.use_head(built[head_name])
     return model
+
+
+def _check_format(fmt: str, in_features: int) -> None:
+    if fmt not in KERNEL_FORMATS:
+        raise InvalidArgumentError(f"quantization must be one of {list(QUANTIZATIONS)}, got {fmt!r}")
+    if in_features % 8:
+        raise InvalidArgumentError(f"{fmt} weights need in_features divisible by 8, got {in_features}")
+    if fmt == "int8" and in_features > INT8_MAX_FEATURES:
+        raise InvalidArgumentError(f"int8 weights take at most {INT8_MAX_FEATURES} in_features, got {in_features}")
+
+
+def _tied_head(model: CausalLM, fmt: str) -> QuantizedLinear:
+    """The LM head tied to the embedding table, quantised from it: read from the file a block of rows at a
+    time where the table stays there (FileEmbedding), since its float32 copy would be the load's peak (a
+    1.7B model's 49k x 2048 table: 400 MB)."""
+    embeddings = model.model.embed_tokens
+    if fmt == "int8" and isinstance(embeddings, FileEmbedding):
+        return QuantizedLinear.quantize_blocks(embeddings.table.blocks(), (embeddings.num_embeddings, embeddings.embedding_dim))
+    return QuantizedLinear.quantize(model.head_weight, None, fmt)
 
 
 def _stored_layer(stored: Mapping[str, torch.Tensor] | None, name: str, fmt: str) -> QuantizedLinear | None:
@@ -166,9 +195,8 @@ def _stored_layer(stored: Mapping[str, torch.Tensor] | None, name: str, fmt: str
     return QuantizedLinear(fmt, stored[f"{name}.weight"], scale, stored.get(f"{name}.bias"), scale.numel())
 
 
-def _quantized_layer(
-    model: CausalLM, name: str, linear: nn.Linear, fmt: str, tensors: Mapping[str, torch.Tensor] | None
-) -> QuantizedLinear:
+def _quantized_layer(model: CausalLM, name: str, fmt: str, tensors: Mapping[str, torch.Tensor] | None) -> QuantizedLinear:
+    linear = model.get_submodule(name)
     if tensors is not None:
         model.load_parameters(tensors, [f"{name}.{local}" for local, _ in linear.named_parameters()])
     return QuantizedLinear.quantize(linear.weight, linear.bias, fmt)
@@ -179,7 +207,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     after another, so one block is one contiguous stream (kernels/linear.cpp says why). A last partial
     block is padded with zero rows."""
     n, k = weight.shape
-    padded = F.pad(weight, (0, 0, 0, -n % PACK_ROWS))
+    padded = F.pad(weight, (0, 0, 0, -n % PACK_ROWS)) if n % PACK_ROWS else weight  # F.pad copies, even adding none
     return padded.view(-1, PACK_ROWS, k // 8, 8).permute(0, 2, 1, 3).contiguous()
 
 

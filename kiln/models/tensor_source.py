@@ -87,7 +87,7 @@ def safetensors_source(files: Sequence[Path]) -> TensorSource:
     file that is not safetensors."""
     stored: dict[str, StoredTensor] = {}
     for file in files:
-        header, data_start = _header(file)
+        header, data_start = safetensors_header(file)
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
@@ -96,7 +96,8 @@ def safetensors_source(files: Sequence[Path]) -> TensorSource:
     return TensorSource(stored)
 
 
-def _header(file: Path) -> tuple[dict, int]:
+def safetensors_header(file: Path) -> tuple[dict, int]:
+    """A safetensors file's JSON header (name -> dtype, shape, data_offsets) and where its data starts."""
     try:
         with file.open("rb") as handle:
             (size,) = struct.unpack("<Q", handle.read(8))

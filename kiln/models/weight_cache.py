@@ -39,14 +39,15 @@ import torch
 from safetensors.torch import save_file
 
 from kiln.errors import InvalidArgumentError
-from kiln.models.config import ModelConfig, RopeScaling
+from kiln.models.config import ModelConfig, MoEConfig, RopeScaling
 from kiln.models.gguf_import import GGUFTensors
 from kiln.models.tensor_source import TensorSource, safetensors_source
 from kiln.startup import progress
 from kiln.tokenizer import Tokenizer
 
 # Bump whenever conversion output changes for the same source bytes: it is part of every fingerprint.
-CONVERTER_VERSION = 1
+# 2: a byte-pair GGUF tokenizer keeps llama.cpp's encoder (special tokens, pre-tokenizer) beside tokenizer.json.
+CONVERTER_VERSION = 2
 
 _MEMO_FILE = "fingerprints.json"
 _WEIGHTS_FILE = "model.safetensors"
@@ -160,14 +161,15 @@ def save_atomically(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 def _config_from_json(data: dict) -> ModelConfig:
-    """Inverse of asdict: JSON lists back to the tuples and RopeScaling the dataclass holds."""
-    scaling = data.get("rope_scaling")
+    """Inverse of asdict: JSON lists back to the tuples, RopeScaling and MoEConfig the dataclass holds."""
+    scaling, moe = data.get("rope_scaling"), data.get("moe")
     return ModelConfig(
         **{
             **data,
             "rope_scaling": RopeScaling(**scaling) if scaling else None,
             "layer_types": tuple(data["layer_types"]),
             "eos_token_ids": tuple(data["eos_token_ids"]),
+            "moe": MoEConfig(**{**moe, "mlp_only_layers": tuple(moe["mlp_only_layers"])}) if moe else None,
         }
     )
 

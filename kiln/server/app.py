@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import uvicorn
 
@@ -45,6 +45,8 @@ from kiln.server.metrics import Metrics
 from kiln.server.quotas import Quotas
 from kiln.server.service import MAX_REQUEST_BYTES, RuntimeService, served_name
 from kiln.server.tls import TlsSettings
+
+INSTRUCT_MODEL = "smollm2-135m-instruct"  # the embedded instruct model the banner's chat examples use
 
 EXIT_WAIT_S = 60.0  # after shutdown released every session: the most the process takes to end by itself
 STRAGGLER_WAIT_S = 2.0  # once the main thread is done: how long other threads still get
@@ -146,7 +148,7 @@ class ServingStack:
         keys = api_keys_for(options)
         metrics = Metrics(llm)
         metrics.watch_auth(keys.failures)
-        model_name = served_name(llm.loaded.config.name or llm.loaded.source.name)
+        model_name = served_name(llm.loaded.display_name)
         service = RuntimeService(llm, model_name, options.served_model_names,
                                  Quotas(keys.limits, llm.sessions.owner_usage), stall_timeout_s=options.stall_timeout_s)
         # the constraint compiler's tokenizer index takes seconds on a large vocabulary: build it now, beside
@@ -228,14 +230,19 @@ def reload_keys_soon(keys: ApiKeys, path: str) -> None:
     task.add_done_callback(_reloads.discard)
 
 
-def try_it(options: ServeOptions, auth: bool) -> str:
+def try_it(options: ServeOptions, auth: bool, instruct_ports: tuple[int, int] | None = None) -> str:
     """The dashboard's address, then three ways to talk to the server, printed once it is ready, each one the embedded base model does
     well: a completion (curl), a session whose turns reuse its cache and that closes at the end, leaving
     nothing saved (the Python SDK), chat and JSON of a
-    bounded schema (the `openai` package). The scripts run as printed from the repository. With TLS,
+    bounded schema (the `openai` package). Then chat and a tool call on the embedded instruct model, which
+    needs a server of its own (one server serves one model): the command that starts it on
+    `instruct_ports` (gRPC, HTTP; default: the next ports up) with this server's keys and TLS, and an
+    `openai` script for it. The scripts run as printed from the repository. With TLS,
     ca.pem stands for the CA that signed --tls-cert (and client.pem / client-key.pem for a client
     certificate, with --tls-client-ca)."""
     http = http_url(options)
+    instruct_grpc, instruct_http = instruct_ports or (options.grpc_port + 1, options.http_port + 1)
+    instruct_url = http_url(replace(options, http_port=instruct_http))
     key = 'os.environ["KILN_API_KEY"]' if auth else '"none"'
     imports = "import os\n" if auth else ""
     header = ' -H "Authorization: Bearer $KILN_API_KEY"' if auth else ""
@@ -273,7 +280,37 @@ reply = client.chat.completions.create(model="kiln", messages=ask, response_form
     "type": "json_schema", "json_schema": {{"name": "city", "schema": city}}}})
 print(reply.choices[0].message.content)
 PY
+
+Chat and tool calls: the embedded instruct model, SmolLM2-135M-Instruct, chats in its own template and calls
+tools in its own format. One server serves one model: start a second one for it (another shell), then ask it:
+  .venv/bin/kiln serve --model {INSTRUCT_MODEL} --grpc-port {instruct_grpc} --http-port {instruct_http}{_same_access(options, auth)}
+
+  .venv/bin/python - <<'PY'
+{imports}import openai
+{openai_setup}client = openai.OpenAI(base_url="{instruct_url}/v1", api_key={key}{openai_tls})
+ask = [{{"role": "user", "content": "What is the capital of France?"}}]
+print(client.chat.completions.create(model="{INSTRUCT_MODEL}", messages=ask).choices[0].message.content)
+weather = {{"type": "function", "function": {{"name": "get_weather", "parameters": {{
+    "type": "object", "required": ["city"], "properties": {{"city": {{"type": "string"}}}}}}}}}}
+ask = [{{"role": "user", "content": "What is the weather in Paris?"}}]
+call = client.chat.completions.create(model="{INSTRUCT_MODEL}", messages=ask, tools=[weather],
+                                      tool_choice="required").choices[0].message.tool_calls[0]
+print(call.function.name, call.function.arguments)
+ask += [{{"role": "assistant", "tool_calls": [call.model_dump()]}},
+        {{"role": "tool", "tool_call_id": call.id, "content": '{{"temperature_c": 18, "sky": "sunny"}}'}}]
+print(client.chat.completions.create(model="{INSTRUCT_MODEL}", messages=ask, tools=[weather]).choices[0].message.content)
+PY
 """
+
+
+def _same_access(options: ServeOptions, auth: bool) -> str:
+    """The flags that give a second server this one's address, key (the examples' $KILN_API_KEY) and TLS."""
+    flags = "" if options.host == ServeOptions.host else f" --host {options.host}"
+    flags += ' --api-key "$KILN_API_KEY"' if auth else ""
+    if options.tls:
+        flags += f" --tls-cert {options.tls.cert_file} --tls-key {options.tls.key_file}"
+        flags += f" --tls-client-ca {options.tls.client_ca_file}" if options.tls.client_ca_file else ""
+    return flags
 
 
 def _try_it_tls(tls: TlsSettings | None) -> tuple[str, str, str, str]:

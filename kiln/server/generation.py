@@ -52,12 +52,14 @@ class Output:
 
 
 async def deltas(stream: AsyncGenerationStream, tokenizer: Tokenizer, stop: Sequence[str],
-                 ended: Callable[[], bool] | None = None) -> AsyncIterator[Delta]:
+                 ended: Callable[[], bool] | None = None,
+                 decode: Callable[[Sequence[int]], str] | None = None) -> AsyncIterator[Delta]:
     """One delta per generated token, then a final one; the deltas' text concatenates to the reply.
     `ended()`, asked once each delta was taken, may end the reply early: the generation is cancelled
     there and finishes as "stop" (the reply is complete without the rest, e.g. a repeated tool call).
+    `decode`: token ids to text (default tokenizer.decode; a tool-calling reply keeps its call markup).
     Engine errors propagate as their typed exception."""
-    decoder = TextDeltas(tokenizer.decode, stop)
+    decoder = TextDeltas(decode or tokenizer.decode, stop)
     position = 0
     async for token_id in stream:
         logprob, top = stream.logprobs_from(position), stream.top_logprobs_from(position)

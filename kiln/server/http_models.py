@@ -307,6 +307,8 @@ class ChatBody(OpenAIBody):
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # extra variables for the model's chat template, e.g. {"enable_thinking": false} (as vLLM accepts them)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("top_logprobs")
     @classmethod

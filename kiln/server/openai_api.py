@@ -16,11 +16,19 @@ Beyond plain text:
   logit_bias and any grammar mask). `echo` starts a completion with its prompt.
 - `response_format` (`json_object`, `json_schema`) and tool calls are enforced by grammar-constrained
   decoding (kiln/engine/constraints.py); tools, tool_choice and parallel_tool_calls follow the rules
-  of kiln/tools.py, and a reply that is a call comes back as `tool_calls` with finish_reason
-  `tool_calls` (streamed as tool-call deltas). A call identical to an earlier one of the same reply
-  ends the reply before it (the generation is cancelled there; finish_reason `tool_calls`). A reply
-  cut by max_tokens ends with finish_reason `length` and whatever it had, never call markup as
-  content: the calls written so far, the last one's arguments possibly not yet complete JSON.
+  of kiln/tools.py, in the model's own call syntax (kiln/tool_syntax.py: Hermes `<tool_call>`, Llama 3
+  JSON, Mistral `[TOOL_CALLS]`, Phi-4-mini `<|tool_call|>`), and a reply that is calls comes back as
+  `tool_calls` with finish_reason `tool_calls` (streamed as tool-call deltas). parallel_tool_calls
+  unset allows several calls only to a model whose template takes tools; one told its tools in
+  Kiln's text gets one call, after which the grammar ends the reply. A call identical to an earlier
+  one of the same reply ends the reply when its object closes (the generation is cancelled there).
+  finish_reason is `tool_calls` whenever every call shown is whole, even if max_tokens cut a repeat
+  or the opening of a next call; a reply cut inside a call ends with `length` and the calls written
+  so far, the last one's arguments possibly not yet complete JSON, never call markup as content.
+- A reasoning model (its template handles `</think>`: Qwen 3, SmolLM3, DeepSeek R1 distills) thinks
+  in `<think>…</think>`: that text is `reasoning_content` (message and streamed delta, as vLLM and
+  DeepSeek's API do), the rest `content`; a constrained reply may think first. `chat_template_kwargs`
+  (e.g. `{"enable_thinking": false}`, as vLLM accepts it) are extra variables for the template.
 """
 
 from __future__ import annotations
@@ -37,11 +45,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from kiln.chat import TEMPLATE, ChatFormat, chat_format, from_openai_messages, tokens_for_chat
+from kiln.chat import TEMPLATE, ChatFormat, chat_format, from_openai_messages, knows_tools, prompt_for_chat
 from kiln.engine.constraints import ANY_OBJECT, Constraint, as_generated
 from kiln.engine.sampler import MAX_STOP_STRINGS
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError
+from kiln.reasoning import ReasoningSplitter, opened_in, thinks, with_thought
 from kiln.results import GenerationResult, Usage
 from kiln.server.generation import Delta, SseResponse, deltas, start_all, unless_disconnected
 from kiln.server.http_auth import caller, connection
@@ -49,6 +58,7 @@ from kiln.server.http_errors import ModelNotFoundError
 from kiln.server.http_models import ChatBody, CompletionBody, JsonBodyRoute, NamedToolChoice, OpenAIBody
 from kiln.server.service import RuntimeService, naming
 from kiln.tokenizer import Tokenizer
+from kiln.tool_syntax import KILN, ToolSyntax, markup_decoder, syntax_for
 from kiln.tools import (
     ArgumentsDelta,
     CallStart,
@@ -58,6 +68,7 @@ from kiln.tools import (
     ToolChoice,
     check_names,
     grammar,
+    json_rule,
 )
 
 MODEL_ALIAS = "kiln"  # also names the served model, for clients configured once for any Kiln server
@@ -75,11 +86,19 @@ class _ChoiceText:
     parser: ToolCallParser | None = None  # chat with callable tools
     prefix: str = ""  # echo: the prompt, before the first piece
     lead: str = ""  # what the chat format puts before every reply (a transcript's space): not content
+    reasoning: ReasoningSplitter | None = None  # a reasoning model's chat: its thinking is reasoning_content
+    syntax: ToolSyntax = KILN
     call_ids: list[str] = field(default_factory=list)
 
     def push(self, text: str) -> list[dict]:
         if self.prefix:
             text, self.prefix = self.prefix + text, ""
+        if self.reasoning is None:
+            return self._answer(text)
+        thinking, text = self.reasoning.push(text)
+        return ([{"reasoning_content": thinking}] if thinking else []) + self._answer(text)
+
+    def _answer(self, text: str) -> list[dict]:
         if self.parser is None:
             return [self._text(text)] if text else []
         return [self._piece(delta) for delta in self.parser.push(text)]
@@ -87,6 +106,9 @@ class _ChoiceText:
     def finish(self, reason: str) -> list[dict]:
         """The pieces held back until the generation ended for `reason`."""
         pieces = self.push("")
+        if self.reasoning is not None:
+            thinking, text = self.reasoning.finish()
+            pieces += ([{"reasoning_content": thinking}] if thinking else []) + self._answer(text)
         return pieces + ([self._piece(delta) for delta in self.parser.finish(reason == "stop")] if self.parser else [])
 
     def ended(self) -> bool:
@@ -94,7 +116,10 @@ class _ChoiceText:
         return self.parser is not None and self.parser.repeated
 
     def finish_reason(self, reason: str) -> str:
-        return "tool_calls" if reason == "stop" and self.call_ids else reason
+        """A reply of whole calls ends with "tool_calls", even when max_tokens cut the generation while
+        it was repeating one (held back, never shown) or had not yet started another."""
+        complete = reason == "stop" or (reason == "length" and self.parser is not None and self.parser.calls_complete)
+        return "tool_calls" if complete and self.call_ids else reason
 
     def _text(self, text: str) -> dict:
         if not self.chat:
@@ -106,7 +131,7 @@ class _ChoiceText:
         if isinstance(delta, ContentDelta):
             return self._text(delta.text)
         if isinstance(delta, CallStart):
-            self.call_ids.append("call_" + secrets.token_hex(12))
+            self.call_ids.append(self.syntax.call_id())
             call = {"index": delta.index, "id": self.call_ids[-1], "type": "function",
                     "function": {"name": delta.name, "arguments": ""}}
         else:
@@ -119,6 +144,7 @@ def _merged(pieces: Sequence[dict], chat: bool) -> dict:
     text = "".join(piece.get("content" if chat else "text", "") for piece in pieces)
     if not chat:
         return {"text": text}
+    thinking = "".join(piece.get("reasoning_content", "") for piece in pieces)
     calls: dict[int, dict] = {}
     for call in (call for piece in pieces for call in piece.get("tool_calls", ())):
         if call["index"] in calls:
@@ -126,6 +152,8 @@ def _merged(pieces: Sequence[dict], chat: bool) -> dict:
         else:
             calls[call["index"]] = {key: value for key, value in call.items() if key != "index"}
     message = {"role": "assistant", "content": text if text or not calls else None}
+    if thinking:
+        message["reasoning_content"] = thinking
     return {**message, "tool_calls": list(calls.values())} if calls else message
 
 
@@ -194,6 +222,8 @@ class _Plan:
     calls: bool = False  # the reply may be tool calls
     echoes: list[str] | None = None  # completions with echo: each prompt's text
     form: ChatFormat = TEMPLATE  # chat: the format's stop strings, default reply limit and lead end every reply
+    reasoning: bool = False  # chat with a reasoning model: its thinking is reasoning_content
+    thinking_opened: bool = False  # the prompt opened the thinking: the reply starts inside it
 
 
 @dataclass(frozen=True)
@@ -221,10 +251,18 @@ class _Reply:
     include_usage: bool
     logprobs: bool
 
+    syntax: ToolSyntax = KILN
+
     def text(self, index: int) -> _ChoiceText:
         echo = self.plan.echoes[index // self.n] if self.plan.echoes else ""
         lead = " " if self.plan.form.transcript else ""
-        return _ChoiceText(self.shape.chat, ToolCallParser() if self.plan.calls else None, echo, lead)
+        reasoning = ReasoningSplitter(self.plan.thinking_opened) if self.plan.reasoning else None
+        parser = ToolCallParser(self.syntax) if self.plan.calls else None
+        return _ChoiceText(self.shape.chat, parser, echo, lead, reasoning, self.syntax)
+
+    def decode(self) -> Callable[[Sequence[int]], str]:
+        """Token ids to the reply's text, keeping the call syntax's control tokens when it may call tools."""
+        return markup_decoder(self.tokenizer, self.syntax) if self.plan.calls else self.tokenizer.decode
 
     def body(self, finished: Sequence[_Finished]) -> dict:
         choices = []
@@ -267,6 +305,11 @@ class OpenAIRoutes:
         self.service = service
         self.created = int(time.time())
         self.chat_format = chat_format(service.llm.tokenizer, chat_format_name)  # kiln/chat.py
+        self.tool_syntax = syntax_for(service.llm.tokenizer)  # kiln/tool_syntax.py
+        self.reasoning = not self.chat_format.transcript and thinks(service.llm.tokenizer.chat_template)
+        # parallel_tool_calls unset: several calls a reply only for a model trained to call tools; one that was
+        # not (told its tools in Kiln's text) repeats its call until max_tokens, so its reply ends after one
+        self.parallel_calls = not self.chat_format.transcript and knows_tools(service.llm.tokenizer)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -302,7 +345,7 @@ class OpenAIRoutes:
 
     def _model_json(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "kiln",
-                "max_model_len": self.service.llm.engine.max_model_len}
+                "max_model_len": self.service.llm.engine.max_model_len, **self.service.model_facts}
 
     def _check_model(self, model: str | None) -> None:
         if model not in (None, MODEL_ALIAS, self.service.model_name, *self.service.aliases):
@@ -324,18 +367,24 @@ class OpenAIRoutes:
         check_names(tools)
         for index, tool in enumerate(tools):
             _checked(Constraint.json_schema(tool.schema, f"tools[{index}].function.parameters"))
-        choice = _tool_choice(body, tools)
+        choice = _tool_choice(body, tools, self.parallel_calls)
         plain = _checked(body.format_constraint())
-        rules = grammar(tools, choice, _schema_of(plain)) if tools else None
-        constraint = plain if rules is None else Constraint.grammar(rules, "tools")
+        rules = grammar(tools, choice, _schema_of(plain), self.tool_syntax, self.tokenizer) if tools else None
         room = MAX_STOP_STRINGS - len(self.chat_format.stop)
         if len(body.stop_strings) > room:
             raise InvalidArgumentError(f"at most {room} stop strings: the {self.chat_format.name} chat format adds its "
                                        f"own {len(self.chat_format.stop)}", "stop")
         messages = from_openai_messages(body.messages)
         with naming("messages"):  # text the tokenizer refuses (a lone surrogate) came from the messages
-            prompt = tokens_for_chat(messages, self.tokenizer, tools if rules is not None else (), self.chat_format)
-        return _Plan([prompt], constraint, calls=rules is not None, form=self.chat_format)
+            text, add_bos = prompt_for_chat(messages, self.tokenizer, tools if rules is not None else (), self.chat_format,
+                                            body.chat_template_kwargs)
+            prompt = self.tokenizer.encode(text, add_bos)
+        opened = self.reasoning and opened_in(text)
+        if self.reasoning and (rules is not None or plain is not None):  # it thinks first, then answers as constrained
+            rules = with_thought(rules or f"start: {json_rule(_schema_of(plain))}", opened)
+        constraint = plain if rules is None else Constraint.grammar(rules, "tools" if tools else "response_format")
+        return _Plan([prompt], constraint, calls=bool(tools) and choice.calls_allowed, form=self.chat_format,
+                     reasoning=self.reasoning, thinking_opened=opened)
 
     async def _reply(self, request: Request, body: OpenAIBody, shape: _Shape, plan_of: Callable[[], _Plan]) -> Response:
         """`plan_of()` checks the request, renders and tokenizes the prompts on a worker thread (megabytes
@@ -343,7 +392,8 @@ class OpenAIRoutes:
         generations' streams belong to the loop; their submission runs on worker threads too."""
         self._check_model(body.model)
         plan = await run_in_threadpool(plan_of)
-        generate = body.generate_request(plan.constraint)
+        # what the request leaves out, the model's generation_config.json may set (as vLLM does)
+        generate = self.service.llm.loaded.generation_defaults.fill(body.generate_request(plan.constraint))
         stop = (*body.stop_strings, *plan.form.stop)  # a chat format's stop rule ends its replies
         generate = replace(generate, stop=stop, max_tokens=plan.form.max_tokens if generate.max_tokens is None
                            else generate.max_tokens)
@@ -358,7 +408,7 @@ class OpenAIRoutes:
         reply = _Reply(shape, plan, self.tokenizer, shape.id_prefix + secrets.token_hex(12), int(time.time()),
                        body.model if body.model in self.service.aliases else self.service.model_name, streams, body.n,
                        stop, body.include_usage,
-                       body.wants_logprobs)
+                       body.wants_logprobs, self.tool_syntax)
         if body.stream:
             return SseResponse(self._chunks(reply), streams)
         finished = await unless_disconnected(request, self._whole_choices(reply), streams)
@@ -370,7 +420,7 @@ class OpenAIRoutes:
         for index, stream in enumerate(reply.streams):
             text = reply.text(index)
             pieces: list[dict] = []
-            async for delta in deltas(stream, self.tokenizer, reply.stop, text.ended):
+            async for delta in deltas(stream, self.tokenizer, reply.stop, text.ended, reply.decode()):
                 pieces += text.push(delta.text)
                 if delta.result:
                     pieces += text.finish(delta.result.finish_reason)
@@ -398,7 +448,7 @@ class OpenAIRoutes:
         text = reply.text(index)
         pending: list[Delta] = []
         offset = 0
-        async for delta in deltas(stream, self.tokenizer, reply.stop, text.ended):
+        async for delta in deltas(stream, self.tokenizer, reply.stop, text.ended, reply.decode()):
             if delta.token_id is not None:
                 pending.append(delta)
             pieces = text.push(delta.text)
@@ -430,10 +480,10 @@ def _schema_of(constraint: Constraint | None) -> dict | None:
     return ANY_OBJECT if constraint.kind == "json_object" else json.loads(constraint.source)
 
 
-def _tool_choice(body: ChatBody, tools: list[Tool]) -> ToolChoice:
-    """tool_choice and parallel_tool_calls as a ToolChoice; naming a function not in `tools`, or
-    choosing tools when there are none, is refused."""
-    parallel = body.parallel_tool_calls is not False
+def _tool_choice(body: ChatBody, tools: list[Tool], parallel_default: bool) -> ToolChoice:
+    """tool_choice and parallel_tool_calls (unset: `parallel_default`) as a ToolChoice; naming a
+    function not in `tools`, or choosing tools when there are none, is refused."""
+    parallel = parallel_default if body.parallel_tool_calls is None else body.parallel_tool_calls
     choice = body.tool_choice
     if choice is None:
         return ToolChoice("auto" if tools else "none", parallel=parallel)

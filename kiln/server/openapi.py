@@ -92,6 +92,13 @@ class Model(Response):
     created: int
     owned_by: str
     max_model_len: int
+    # The facts `kiln models` lists (kiln/models/facts.py); absent when the files can no longer be read.
+    architecture: str | None = None
+    parameters: int | None = None
+    weight_type: str | None = None
+    context_length: int | None = None
+    chat_template: bool | None = None
+    size_bytes: int | None = None
 
 
 class ModelList(Response):

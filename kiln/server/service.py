@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -19,6 +20,7 @@ from kiln.engine.sampler import SamplingParams
 from kiln.engine.stream import DEFAULT_STALL_TIMEOUT_S, AsyncGenerationStream, Backpressure
 from kiln.errors import InvalidArgumentError, KilnError
 from kiln.llm import LLM
+from kiln.models.facts import model_facts
 from kiln.results import SessionInfo, SnapshotInfo
 from kiln.server import access_log
 from kiln.server.quotas import MeteredStream, Quotas
@@ -117,6 +119,15 @@ class RuntimeService:
             logit_bias=tuple(request.logit_bias),
             constraint=request.constraint,
         )
+
+    @functools.cached_property
+    def model_facts(self) -> dict[str, object]:
+        """What /v1/models says of the served model besides its id, read once from its files' headers
+        (kiln/models/facts.py); nothing when they can no longer be read."""
+        try:
+            return model_facts(self.llm.loaded.source).to_json()
+        except KilnError:
+            return {}
 
     # ---- sessions -----------------------------------------------------------------------------------
 

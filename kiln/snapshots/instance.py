@@ -1,13 +1,13 @@
 """An instance's own snapshot directory: where `kiln serve` persists sessions unless told otherwise.
 
 The rule (docs/architecture.md § Instances): every server is an instance with a name, `--instance-id`,
-by default its model's name (`gemma-3-270m-q4_k_m` for the embedded model, a directory's or file's
-name otherwise). Its default store is its own directory, `<data>/kiln/instances/<name>/snapshots`
-(<data>: $XDG_DATA_HOME, else ~/.local/share), so a restart of the same instance finds its sessions
-and a server of another model or name never lists them. While a server runs, it holds the directory's
-lock (flock(2), dropped by the kernel when the process dies, so it never goes stale): a second server
-of the same instance is refused at start, naming both ways on (another --instance-id, or sharing the
-first one's store explicitly). Sharing is always explicit: `--snapshot-dir`/`--snapshot-store` given, the
+by default its model's name (`gemma-3-270m-q4_k_m` for the embedded Gemma, `smollm2-135m-instruct` for
+the embedded SmolLM2, a directory's or file's name otherwise). Its default store is its own directory,
+`<data>/kiln/instances/<name>/snapshots` (<data>: $XDG_DATA_HOME, else ~/.local/share), so a restart of
+the same instance finds its sessions and a server of another model or name never lists them. While a
+server runs, it holds the directory's lock (flock(2), dropped by the kernel when the process dies, so it
+never goes stale): a second server of the same instance is refused at start, naming both ways on (another
+--instance-id, or sharing the first one's store explicitly). Sharing is always explicit: `--snapshot-dir`/`--snapshot-store` given, the
 servers name their instances apart themselves (the default then is host and gRPC address, unique per
 machine, kiln/snapshots/ownership.py).
 """
@@ -22,26 +22,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kiln.errors import FailedPreconditionError, InvalidArgumentError
+from kiln.models.catalog import resolve
+from kiln.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS
+from kiln.paths import data_directory
 
 INSTANCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-EMBEDDED_INSTANCE = "gemma-3-270m-q4_k_m"  # the embedded model's file, gemma-3-270m-q4_k_m.gguf, by its stem
+EMBEDDED_INSTANCE = EMBEDDED_MODELS[DEFAULT_MODEL].instance  # the default model's: gemma-3-270m-q4_k_m
 _LOCK_FILE = "serve.lock"
 
 
-def data_directory() -> Path:
-    """$XDG_DATA_HOME/kiln, else ~/.local/share/kiln."""
-    data = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(data) / "kiln"
-
-
 def instance_for_model(model: str | None) -> str:
-    """The default instance name of a server of `model` (None: the embedded one): its directory's or
-    file's name, characters a directory name cannot safely hold replaced by '-'."""
-    if model is None:
-        return EMBEDDED_INSTANCE
-    path = Path(model).expanduser()
-    stem = path.name if path.is_dir() or not path.suffix else path.stem
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip(".-_")[:128] or "model"
+    """The default instance name of a server of `model`, a name or path as `--model` takes it (None: the
+    default embedded model): an embedded model's own instance name, else the name `kiln models` gives it
+    (a directory's or file's name), characters a directory name cannot safely hold replaced by '-'.
+    UnknownModelError for a model that does not resolve."""
+    entry = resolve(model)
+    if entry.embedded is not None:
+        return entry.embedded.instance
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", entry.name).strip(".-_")[:128] or "model"
 
 
 def default_directory(instance: str = EMBEDDED_INSTANCE) -> Path:

@@ -106,10 +106,14 @@ def test_coded_pages_stay_bit_identical_however_computed(tiny_loaded, arch: str,
     gathered = run(PoisonedCache(model_for(loaded, None, False), loaded.config, 4, 40, codec=codec), {0: tokens}, [{0: 40}])[0]
     exact = ways(model, loaded.config, tokens, other, codec="none")["one shot"]
     # The gathered path rounds differently upstream; a K/V value on a rounding boundary may then take the
-    # next code (one step: 1/127 of its row's largest value), hence not 1e-6 (measured up to 4e-4).
-    assert relative(gathered, reference) < 1e-3
+    # next code (one step: 1/127 of its row's largest value, 1/7 in int4), hence not 1e-6 (measured up to
+    # 8e-4 in int8, 5e-3 in int4 on the tiny Phi-3).
+    assert relative(gathered, reference) < {"int8": 1e-3, "int4": 1e-2}[codec]
     error = relative(reference, exact)
-    assert 0 < error < {"int8": 0.01, "int4": 0.1}[codec], error  # measured up to 0.005 / 0.072 here
+    # Measured up to 0.005 / 0.072 here on dense models. A mixture of experts may route a token whose K/V
+    # rounded differently to other experts (0.101 with int4 on the tiny Qwen3-MoE).
+    bound = {"int8": 0.01, "int4": 0.1}[codec] * (1.5 if loaded.config.moe else 1.0)
+    assert 0 < error < bound, error
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:

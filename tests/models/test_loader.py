@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -25,150 +25,13 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from kiln.errors import InvalidArgumentError
 from kiln.models import loader, weight_cache
 from kiln.models.config import ModelConfig, RopeScaling
+from kiln.models.gguf_import import SUPPORTED_ARCHITECTURES
 from kiln.models.loader import load_model
 from kiln.tokenizer import Tokenizer
+from tests.tiny_gguf import spm_metadata, write_gguf
 from tests.tiny_models import TINY_CONFIGS, hf_state_dict, tiny_hf_model
 
-VOCAB = TINY_CONFIGS["llama"].vocab_size
-_GGUF_LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "input_layernorm": "attn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-_GGUF_LAYER_NAMES_BY_ARCH = {
-    "llama": {**_GGUF_LAYER_NAMES, "post_attention_layernorm": "ffn_norm"},
-    "gemma3": {
-        **_GGUF_LAYER_NAMES,
-        "post_attention_layernorm": "post_attention_norm",
-        "pre_feedforward_layernorm": "ffn_norm",
-        "post_feedforward_layernorm": "post_ffw_norm",
-    },
-}
-_GGUF_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-
-
 # ---------------------------------------------------------------- writing tiny sources
-
-
-def spm_metadata(gemma: bool) -> dict:
-    """A 256-piece SentencePiece vocabulary in GGUF form (Gemma's or Llama's special tokens)."""
-    specials = (
-        ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
-        if gemma
-        else ["<unk>", "<s>", "</s>"]
-    )
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    pieces = [
-        "\u2581",
-        *letters,
-        *(f"\u2581{c}" for c in letters),
-        *(a + b for a in letters for b in letters),
-    ]
-    tokens = specials + pieces[: VOCAB - len(specials)]
-    return {
-        "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.scores": [0.0 if t in specials else -float(i) for i, t in enumerate(tokens)],
-        "tokenizer.ggml.token_type": [3 if t in specials else 1 for t in tokens],
-        "tokenizer.ggml.bos_token_id": tokens.index("<bos>" if gemma else "<s>"),
-        "tokenizer.ggml.eos_token_id": tokens.index("<eos>" if gemma else "</s>"),
-        "tokenizer.ggml.unknown_token_id": tokens.index("<unk>"),
-        "tokenizer.ggml.add_space_prefix": not gemma,
-    }
-
-
-def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf LlamaModel.permute."""
-    return (
-        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
-
-
-def gguf_name(hf_name: str, arch: str) -> str:
-    stem, kind = hf_name.rsplit(".", 1)
-    if stem.startswith("model.layers."):
-        _, _, index, rest = stem.split(".", 3)
-        layer_names = _GGUF_LAYER_NAMES_BY_ARCH["gemma3" if arch == "gemma3" else "llama"]
-        return f"blk.{index}.{layer_names[rest]}.{kind}"
-    return f"{_GGUF_GLOBAL_NAMES[stem]}.{kind}"
-
-
-def llama_cpp_tensor(name: str, tensor: torch.Tensor, arch: str, config: ModelConfig) -> np.ndarray:
-    """A tensor as llama.cpp's converter stores it."""
-    data = tensor.detach().numpy().astype(np.float32)
-    if arch == "gemma3" and name.endswith("norm.weight"):
-        return data + np.float32(1.0)
-    if arch == "llama" and ".q_proj." in name:
-        return llama_cpp_permute(data, config.num_heads)
-    if arch == "llama" and ".k_proj." in name:
-        return llama_cpp_permute(data, config.num_kv_heads)
-    return data
-
-
-def write_gguf(
-    path: Path,
-    arch: str,
-    config: ModelConfig,
-    tensors: dict[str, torch.Tensor],
-    quantize: bool = False,
-    rope_freqs: np.ndarray | None = None,
-    original_context: int | None = None,
-) -> None:
-    """A GGUF of `tensors` (HF names) with `config`'s metadata. quantize: matrices as Q8_0."""
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_name(f"tiny {arch}")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_heads)
-    writer.add_head_count_kv(config.num_kv_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_theta)
-    if config.sliding_window and arch == "gemma3":
-        writer.add_sliding_window(config.sliding_window)
-    if config.rope_scaling is not None and config.rope_scaling.kind == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(config.rope_scaling.factor)
-    if original_context is not None:
-        writer.add_rope_scaling_orig_ctx_len(original_context)
-    for key, value in spm_metadata(gemma=arch == "gemma3").items():
-        writer.add_key_value(key, value, _value_type(value))
-    if rope_freqs is not None:
-        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
-    for name, tensor in tensors.items():
-        data = llama_cpp_tensor(name, tensor, arch, config)
-        if quantize and data.ndim == 2:
-            writer.add_tensor(
-                gguf_name(name, arch),
-                gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
-                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
-            )
-        else:
-            writer.add_tensor(gguf_name(name, arch), data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def _value_type(value: object) -> gguf.GGUFValueType:
-    if isinstance(value, list):
-        return gguf.GGUFValueType.ARRAY
-    return {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32, str: gguf.GGUFValueType.STRING}[
-        type(value)
-    ]
 
 
 def save_hf_dir(model: PreTrainedModel, directory: Path, **save_options: object) -> Path:
@@ -246,6 +109,18 @@ def test_sharded_hf_dir_and_content_fingerprint(tmp_path: Path) -> None:
     assert load_model(single, cache_dir=tmp_path / "cache").fingerprint != loaded.fingerprint
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sharded_half_precision_hf_dir_loads_its_values(dtype: torch.dtype, tmp_path: Path) -> None:
+    """A bf16 / fp16 checkpoint in shards (as released models are) loads to float32 of exactly its stored
+    values: the shard index names the files, and the stored dtype is what each tensor is decoded from."""
+    model = tiny_hf_model("qwen3").to(dtype)
+    sharded = save_hf_dir(model, tmp_path / "sharded", max_shard_size="20KB")
+    shards = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"].values()
+    assert len(set(shards)) > 2
+    loaded = load_model(sharded, cache_dir=tmp_path / "cache")
+    assert_same_tensors(loaded.tensors, {name: t.float() for name, t in hf_state_dict(model).items()})
+
+
 def test_hf_dir_missing_tensor_or_config_is_invalid(tmp_path: Path) -> None:
     source = save_hf_dir(tiny_hf_model("llama"), tmp_path / "model")
     weights = load_file(source / "model.safetensors")
@@ -261,7 +136,7 @@ def test_hf_dir_missing_tensor_or_config_is_invalid(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- GGUF files
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "gemma3", "phi3", "smollm3", "olmo2", "granite"])
 def test_f32_gguf_loads_back_the_source_weights(name: str, tmp_path: Path) -> None:
     model = tiny_hf_model(name)
     path = tmp_path / f"{name}.gguf"
@@ -447,8 +322,11 @@ def test_not_a_gguf_is_invalid(tmp_path: Path) -> None:
 
 def test_unsupported_architecture_is_invalid(tmp_path: Path) -> None:
     path = tmp_path / "phi.gguf"
-    write_gguf(path, "phi3", TINY_CONFIGS["llama"], hf_state_dict(tiny_hf_model("llama")))
-    with pytest.raises(InvalidArgumentError, match="unsupported GGUF architecture 'phi3'"):
+    write_gguf(path, "phi2", TINY_CONFIGS["llama"], hf_state_dict(tiny_hf_model("llama")))
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    assert {"granite", "llama", "olmo2", "phi3", "smollm3", "gemma3"} <= set(SUPPORTED_ARCHITECTURES)
+    message = f"unsupported GGUF architecture 'phi2'; supported: {supported}"
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
         load_model(path, cache_dir=tmp_path / "cache")
 
 

@@ -19,7 +19,7 @@ from kiln.models.file_embedding import FileEmbedding
 from kiln.models.layers import RMSNorm
 from kiln.models.loader import LoadedModel, load_model
 from kiln.models.tensor_source import safetensors_source
-from tests.models.test_loader import write_gguf
+from tests.tiny_gguf import write_gguf
 from tests.tiny_models import TINY_CONFIGS, hf_state_dict, tiny_hf_model
 
 EMBEDDINGS = "model.embed_tokens.weight"

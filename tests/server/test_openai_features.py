@@ -88,11 +88,31 @@ def test_a_required_tool_call_comes_back_as_tool_calls_whole_and_streamed(oai):
 NO_EOS = {"2": -100}  # the tiny models' EOS (tests/tiny_models.py): after a call only another call may follow
 
 
+def test_one_required_call_ends_the_generation_and_the_reply_is_tool_calls(oai):
+    """A new user's single required call (parallel_tool_calls unset, max_tokens 60) on a model told its
+    tools in Kiln's text: the grammar ends after the call, so no second call is generated (the model
+    would go on repeating ping's 58-byte call) and the reply is `tool_calls`, not `length`."""
+    reply = oai.chat.completions.create(model="kiln", messages=ASK, max_tokens=60, tools=[PING], tool_choice="required",
+                                        logit_bias=NO_EOS)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and reply.usage.completion_tokens <= 59  # the call, then EOS
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [("ping", "{}")]
+
+
+def test_a_repeat_cut_by_max_tokens_is_still_a_whole_reply_of_calls(oai):
+    """With parallel calls, a repeat still being written when max_tokens ends the generation was never
+    shown: the reply is the complete call before it (`tool_calls`)."""
+    reply = oai.chat.completions.create(model="kiln", messages=ASK, max_tokens=100, tools=[PING], tool_choice="required",
+                                        logit_bias=NO_EOS, parallel_tool_calls=True)
+    assert reply.choices[0].finish_reason == "tool_calls" and reply.usage.completion_tokens == 100
+    assert [c.function.name for c in reply.choices[0].message.tool_calls] == ["ping"]
+
+
 def test_a_repeated_call_ends_the_reply_whole_and_streamed(oai):
     """ping takes no arguments, so a second call can only repeat the first: the reply ends after one
     call (finish_reason tool_calls) instead of repeating it until max_tokens."""
     options = {"model": "kiln", "messages": ASK, "max_tokens": 200, "tools": [PING], "tool_choice": "required",
-               "logit_bias": NO_EOS}
+               "logit_bias": NO_EOS, "parallel_tool_calls": True}
     whole = oai.chat.completions.create(**options)
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -106,12 +126,16 @@ def test_a_repeated_call_ends_the_reply_whole_and_streamed(oai):
 
 @pytest.mark.parametrize("max_tokens", [3, 8, 20, 30, 36, 40])
 def test_a_reply_cut_by_max_tokens_puts_no_call_markup_into_content(oai, max_tokens):
-    """Cut before, inside or between calls (ping's call is 34 bytes, one token each): `length`, the calls
-    written so far, and never markup as content, whole or streamed."""
+    """Cut before, inside or between calls (ping's call is 34 bytes, one token each): the calls written
+    so far, and never markup as content, whole or streamed; `length` when the last call shown is cut,
+    `tool_calls` when every call shown is whole."""
     options = {"model": "kiln", "messages": ASK, "max_tokens": max_tokens, "tools": [PING, WEATHER],
-               "tool_choice": "required", "logit_bias": NO_EOS, "temperature": 1.0, "seed": max_tokens}
+               "tool_choice": "required", "logit_bias": NO_EOS, "temperature": 1.0, "seed": max_tokens,
+               "parallel_tool_calls": True}
     choice = oai.chat.completions.create(**options).choices[0]
-    assert choice.finish_reason == "length" and not choice.message.content
+    calls = choice.message.tool_calls or ()
+    whole = all(_parses(call.function.arguments) for call in calls) and calls
+    assert choice.finish_reason == ("tool_calls" if whole else "length") and not choice.message.content
     chunks = list(oai.chat.completions.create(**options, stream=True))
     assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
     streamed = [call for chunk in chunks for call in chunk.choices[0].delta.tool_calls or ()]
@@ -125,9 +149,17 @@ def test_a_named_function_is_called_and_parallel_calls_follow_the_schema(oai):
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
     several = oai.chat.completions.create(model="kiln", messages=ASK, max_tokens=200, tools=[PING],
-                                          tool_choice="required", temperature=1.0, seed=1)
+                                          tool_choice="required", temperature=1.0, seed=1, parallel_tool_calls=True)
     assert several.choices[0].finish_reason in ("tool_calls", "length")
     assert all(c.function.name == "ping" for c in several.choices[0].message.tool_calls)
+
+
+def _parses(arguments: str) -> bool:
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return False
+    return True
 
 
 def token_id(http: httpx.Client, text: str) -> int:
