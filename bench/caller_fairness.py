@@ -270,8 +270,8 @@ def report(args: argparse.Namespace, machine: dict[str, Any], runs: dict[str, li
     path = common.write_results(args.name, payload)
     scenarios = ["alone", "streams", "fan-out", "big bodies"]
     values = {label: [summary[label][s]["median_s"] for s in scenarios] for label in runs}
-    png = common.plot_bars(args.name, [("bystander turn, s (median; n/a = shut out)", scenarios, values)],
-                           "Another key's 8-token turn while one key loads the server (HTTP, embedded model)")
+    png = common.plot_bars(args.name, [("bystander turn, s (median; no bar: shut out)", scenarios, values)],
+                           "A bystander key's 8-token turn beside a hog key")
     print(f"wrote {path}" + (f" and {png}" if png else ""))
     for label, s in summary.items():
         print(f"{label}: alone {s['alone']['median_s']:.3f} s; " + "; ".join(
