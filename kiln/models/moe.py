@@ -16,16 +16,16 @@ and llama.cpp keeps them float too.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.kernels import kernels
 from kiln.kernels import supported as kernels_supported
 from kiln.models.config import ModelConfig, MoEConfig
 from kiln.models.layers import GatedMLP
-from kiln.models.quant import pack
+from kiln.models.quant import QuantizedLinear
 
 
 class RoutingProjection(nn.Module):
@@ -33,20 +33,19 @@ class RoutingProjection(nn.Module):
     nn.Linear layers only). float32 on a CPU with Kiln's kernels, computed by their float32 linear kernel,
     whose result for a row does not depend on the other rows of the step (INV-3): a token's experts then
     do not either, in every mode (BLAS's sums may change order with the row count, and a near tie in the
-    top-k with them). The kernel's packed copy is made at the first forward, so weights are loaded first
-    (as CausalLM.load_weights is called before any forward)."""
+    top-k with them). The kernel layer (a float32 QuantizedLinear, held unregistered: state_dict keeps the
+    HF name alone) is made at the first forward, so weights are loaded first (as CausalLM.load_weights is
+    called before any forward)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self._packed: torch.Tensor | None = None
+        self._kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is None and self._kernel_computes(x):
-            self._packed = pack(self.weight.detach())
-        if self._packed is not None:
-            return kernels().linear_f32(x, self._packed, None, self.weight.shape[0])
-        return F.linear(x, self.weight)
+        if self._kernel is None and self._kernel_computes(x):
+            self._kernel = QuantizedLinear.quantize(self.weight, None, "float32").forward
+        return F.linear(x, self.weight) if self._kernel is None else self._kernel(x)
 
     def _kernel_computes(self, x: torch.Tensor) -> bool:
         weight = self.weight
