@@ -49,16 +49,16 @@ firefox:  ## the dashboard test's second browser, driven over WebDriver BiDi (De
 
 test: model redis chromium firefox ts-sdk
 	$(BIN)/ruff check kiln tests bench peer
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 	$(MAKE) test-ts
 
-fault: model redis  ## fault injection against real `kiln serve`s, KILN_FAULT_TRIALS kill trials per test (make test runs 20 in all)
+fault: model redis  ## fault injection against real `kiln serve`s, KILN_FAULT_TRIALS kill trials per test (make test runs 13 in all)
 	KILN_FAULT_TRIALS=$${KILN_FAULT_TRIALS:-40} $(BIN)/python -m pytest -q -s tests/fault --ignore=tests/fault/test_soak.py
 
 fuzz: model  ## schemathesis + hypothesis against a real `kiln serve`, KILN_FUZZ_EXAMPLES (default 500) examples per strategy (make test: a few)
 	KILN_FUZZ_EXAMPLES=$${KILN_FUZZ_EXAMPLES:-500} $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/fuzz
 
-soak: model  ## 16 agents for 30 minutes against a restarted `kiln serve` -> bench/results/soak.{json,png} (make test: 3 minutes)
+soak: model  ## 16 agents for 30 minutes against a restarted `kiln serve` -> bench/results/soak.{json,png} (make test: 2 minutes)
 	$(BIN)/pip install --disable-pip-version-check -q -e '.[dev,bench]'
 	$(BIN)/python bench/soak.py --minutes $${SOAK_MINUTES:-30}
 

@@ -14,6 +14,7 @@ not the budget (docs/architecture.md § Memory).
 from __future__ import annotations
 
 import mmap
+import sys
 
 import torch
 
@@ -22,6 +23,10 @@ from kiln.kernels import supported as kernels_supported
 from kiln.kernels.page_format import KERNEL_DTYPES
 from kiln.kv.codec import KVCodec, Segment
 from kiln.kv.layout import KVLayout
+
+# Python 3.11's mmap lacks the constant; 0x4000 is Linux's value on x86-64 and arm64. Elsewhere the OS does
+# not charge an untouched private mapping anyway.
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
 
 
 class PageStorage:
@@ -81,8 +86,11 @@ class PageStorage:
 def zeroed_pool(num_pages: int, page_nbytes: int, device: torch.device) -> torch.Tensor:
     """uint8 [num_pages, page_nbytes] of zeros. On the CPU, an anonymous mapping: the OS backs a page of it
     with memory only when it is first written, so an unused tail of the pool costs address space, not RSS
-    (torch.zeros would write, and so commit, every byte at start)."""
+    (torch.zeros would write, and so commit, every byte at start). Mapped MAP_NORESERVE: Linux's overcommit
+    heuristic counts every accounted mapping again when the process forks, so pools reserved past the
+    machine's memory (however little of them is used) made every fork fail with ENOMEM (a subprocess with a
+    preexec_fn, Ray starting its processes)."""
     if device.type != "cpu":
         return torch.zeros((num_pages, page_nbytes), dtype=torch.uint8, device=device)
-    region = mmap.mmap(-1, num_pages * page_nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region = mmap.mmap(-1, num_pages * page_nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
     return torch.frombuffer(region, dtype=torch.uint8).view(num_pages, page_nbytes)

@@ -8,7 +8,7 @@ default mode the saver runs behind the turns and a crash loses at most its backl
 in kiln/snapshots/persistence.py): every turn finished before the backlog the server reported just before
 the kill must survive.
 
-`make test` runs 20 trials over the three tests; KILN_FAULT_TRIALS=N (`make fault`) runs N in each."""
+`make test` runs 13 trials over the three tests; KILN_FAULT_TRIALS=N (`make fault`) runs N in each."""
 
 from __future__ import annotations
 
@@ -198,7 +198,7 @@ def run_trials(node: Node, rule: Rule, reference: Reference, count: int, seed: i
 def test_durable_turns_survive_kill_9_on_a_directory(model, reference, tmp_path):
     rule = Durable()
     node = Node(model, ("--snapshot-dir", str(tmp_path / "store")), rule.flags)
-    outcome = run_trials(node, rule, reference, trials(10), seed=1)
+    outcome = run_trials(node, rule, reference, trials(6), seed=1)
     assert outcome.lost_turns == 0
 
 
@@ -207,7 +207,7 @@ def test_durable_turns_survive_kill_9_on_redis(model, reference, tmp_path):
     rule = Durable()
     try:
         node = Node(model, ("--snapshot-store", server.url), rule.flags)
-        outcome = run_trials(node, rule, reference, trials(4), seed=2)
+        outcome = run_trials(node, rule, reference, trials(3), seed=2)
     finally:
         server.stop()
     assert outcome.lost_turns == 0
@@ -216,5 +216,5 @@ def test_durable_turns_survive_kill_9_on_redis(model, reference, tmp_path):
 def test_default_mode_keeps_every_turn_older_than_the_backlog(model, reference, tmp_path):
     rule = Backlog()
     node = Node(model, ("--snapshot-dir", str(tmp_path / "store")), rule.flags)
-    outcome = run_trials(node, rule, reference, trials(6), seed=3)
+    outcome = run_trials(node, rule, reference, trials(4), seed=3)
     assert outcome.required_turns > 0

@@ -2,9 +2,14 @@
 page used before is handed out again before a page never used, so the committed part grows with the pages
 held at once (in use or cached for reuse), and never passes the budget."""
 
+import os
+import subprocess
 from pathlib import Path
 
+import torch
+
 from kiln.kv.pages import PageTable
+from kiln.kv.storage import zeroed_pool
 from tests.kv.test_cache import make_cache, run_sequence
 
 
@@ -42,3 +47,14 @@ def test_committed_pages_grow_with_need_and_stop_at_the_budget() -> None:
     for table in tables:
         cache.release(table)
     assert cache.committed_bytes == budget
+
+
+def test_pools_reserved_past_the_machines_memory_leave_the_process_able_to_fork() -> None:
+    """A test run, or a server that built several engines, holds pools whose reservations add up past RAM;
+    Linux's overcommit heuristic counted accounted mappings at every fork, which then failed (ENOMEM)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    chunk = 2**30
+    pools = [zeroed_pool(chunk // 4096, 4096, torch.device("cpu")) for _ in range(ram * 3 // 2 // chunk + 1)]
+    pools[0][0, 0] = 1  # a used page, as a live pool has
+    child = subprocess.run(["true"], preexec_fn=lambda: None, check=False)  # a preexec_fn: fork, not vfork
+    assert child.returncode == 0
