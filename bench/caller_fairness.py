@@ -59,7 +59,8 @@ class Tree:
         with self.client(BYSTANDER, self.args.turn_timeout_s) as http:
             for _ in range(self.args.turns):
                 self.turns += 1
-                body = {"prompt": common.random_ids(8, 10_000 + self.turns), "max_tokens": 8, "ignore_eos": True}
+                body = {"prompt": common.random_ids(8, 10_000 + self.turns), "max_tokens": 8, "ignore_eos": True,
+                        "temperature": 0}
                 started = time.perf_counter()
                 try:
                     reply = http.post("/v1/completions", json=body)
@@ -78,7 +79,7 @@ def long_streams(tree: Tree) -> Iterator[None]:
 
     def read(index: int) -> None:
         body = {"prompt": common.random_ids(16, 20_000 + index), "max_tokens": args.long_tokens, "ignore_eos": True,
-                "stream": True}
+                "temperature": 0, "stream": True}
         with tree.client(HOG, 600) as http, http.stream("POST", "/v1/completions", json=body) as reply:
             lines = (line for line in reply.iter_lines() if line.startswith("data:"))
             next(lines)
@@ -103,7 +104,8 @@ def fan_out(tree: Tree) -> Iterator[None]:
     """One streamed hog request of 32 prompts x n=16, running before the block; closed after."""
     stop, running = threading.Event(), threading.Event()
     prompts = [common.random_ids(16, 30_000 + i) for i in range(FAN_OUT["prompts"])]
-    body = {"prompt": prompts, "n": FAN_OUT["n"], "max_tokens": FAN_OUT["max_tokens"], "ignore_eos": True, "stream": True}
+    body = {"prompt": prompts, "n": FAN_OUT["n"], "max_tokens": FAN_OUT["max_tokens"], "ignore_eos": True,
+            "temperature": 0, "stream": True}
 
     def read() -> None:
         with tree.client(HOG, 600) as http, http.stream("POST", "/v1/completions", json=body) as reply:
@@ -129,7 +131,7 @@ class BigBodies:
     def __init__(self, tree: Tree) -> None:
         self.tree = tree
         entries = tree.args.bias_entries
-        self.body = httpx.Request("POST", "/", json={"prompt": [5, 6, 7], "max_tokens": 1,
+        self.body = httpx.Request("POST", "/", json={"prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0,
                                                      "logit_bias": {str(i): 0.5 for i in range(entries)}}).read()
         self.health_s: list[float] = []
         self.statuses: dict[int, int] = {}

@@ -311,15 +311,27 @@ def plot_lines(name: str, series: dict[str, tuple[list[float], list[float]]], xl
     """One line per series (x, y), labelled with LABELS for a system's name and the key otherwise; a log
     y axis by default, since the full-history baseline grows by orders of magnitude past the others.
     Returns the PNG path, or None without matplotlib."""
+    return plot_line_panels(name, [(ylabel, series)], xlabel, title, yscale)
+
+
+def plot_line_panels(name: str, panels: list[tuple[str, dict[str, tuple[list[float], list[float]]]]], xlabel: str,
+                     title: str, yscale: str = "log", marks: Sequence[tuple[float, str]] = ()) -> Path | None:
+    """plot_lines with several panels stacked over one x axis, one per (ylabel, series); `marks`: (x, label)
+    vertical lines drawn on every panel (an event the lines should be read against, such as a restart)."""
     plt = _pyplot()
     if plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for key, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker="." if len(xs) < 60 else None, label=LABELS.get(key, key))
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, yscale=yscale)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2 + 3.5 * len(panels)), sharex=True, squeeze=False)
+    for ax, (ylabel, series) in zip(axes[:, 0], panels, strict=True):
+        for key, (xs, ys) in series.items():
+            ax.plot(xs, ys, marker="." if len(xs) < 60 else None, label=LABELS.get(key, key))
+        for x, label in marks:
+            ax.axvline(x, color="grey", linestyle="--", linewidth=1, label=label)
+        ax.set(ylabel=ylabel, yscale=yscale)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8 if len(panels) > 1 else None)
+    axes[0, 0].set(title=title)
+    axes[-1, 0].set(xlabel=xlabel)
     return _save(fig, plt, name)
 
 

@@ -138,7 +138,7 @@ def slowloris_tick() -> Callable[[socket.socket], bool]:
 def stream_connector(port: int, max_tokens: int) -> Callable[[], socket.socket]:
     connect = connector(port, SMALL_RCVBUF)
     body = json.dumps({"prompt": "Write a very long story.", "max_tokens": max_tokens, "ignore_eos": True,
-                       "stream": True, "logprobs": 5}).encode()  # ~300 bytes a token: buffers fill sooner
+                       "temperature": 0, "stream": True, "logprobs": 5}).encode()  # ~300 bytes a token: buffers fill sooner
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 

@@ -49,7 +49,11 @@ from kiln.tools import Tool, tools_prompt
 GEMMA_START, GEMMA_END = "<start_of_turn>", "<end_of_turn>"
 ROLE_NAMES = {"assistant": "model", "model": "model", "user": "user", "system": "user"}
 OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-_MESSAGE_FIELDS = {"assistant": frozenset({"role", "content", "name", "tool_calls", "refusal", "reasoning_content"}),
+# The fields of OpenAI's message types, and the `annotations` of its replies, which clients send back with
+# them. Refused when set, so no part of a conversation is dropped unseen: any other field, and an assistant's
+# `audio` (an earlier spoken reply) or `function_call` (OpenAI's deprecated form of tool_calls).
+_MESSAGE_FIELDS = {"assistant": frozenset({"role", "content", "name", "tool_calls", "refusal", "annotations",
+                                           "reasoning_content"}),
                    "tool": frozenset({"role", "content", "tool_call_id", "name"})}
 _TEXT_MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 Message = dict[str, object]  # {"role", "content"}, plus "tool_calls" (assistant) or "tool_call_id" (tool)
@@ -258,9 +262,10 @@ def render_template(template: str, messages: list[Message], tokenizer: Tokenizer
 
 def from_openai_messages(messages: Iterable[object]) -> list[Message]:
     """OpenAI chat messages as {role, content} dicts. Content may be a string or a list of text parts
-    (joined); `developer` is a system message; `name` is dropped. Assistant messages keep their
-    `tool_calls` (arguments parsed into objects, as chat templates expect them) and tool messages their
-    `tool_call_id`. Anything else (images, audio) is refused, never silently dropped."""
+    (joined); `developer` is a system message; `name`, `refusal` and `annotations` are dropped, and a
+    field set to null is one left out. Assistant messages keep their `tool_calls` (arguments parsed into
+    objects, as chat templates expect them) and tool messages their `tool_call_id`. Anything else
+    (images, audio) is refused, never silently dropped."""
     return [_plain_message(index, message) for index, message in enumerate(messages)]
 
 
@@ -268,6 +273,7 @@ def _plain_message(index: int, message: object) -> Message:
     where = f"messages[{index}]"
     if not isinstance(message, Mapping):
         raise InvalidArgumentError(f"{where} must be an object with role and content", where)
+    message = {key: value for key, value in message.items() if value is not None}
     role = message.get("role")
     if not isinstance(role, str) or role not in OPENAI_ROLES:
         raise InvalidArgumentError(f"{where}: role must be one of {', '.join(OPENAI_ROLES)}, got {role!r}", f"{where}.role")

@@ -101,6 +101,11 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--snapshot-dir", default=None, help="persist sessions and snapshots in this directory (default: none; kiln serve: see --no-persist)")
     parser.add_argument("--snapshot-store", default=None,
                         help="persist them in this store instead: redis://host:port/db (shared by several servers)")
+    parser.add_argument("--prefix-store-mb", type=int, default=None,
+                        help="with persistence, full KV pages are also written behind to the snapshot store as a prefix "
+                        "cache that survives restarts: a prompt whose prefix the pool lacks fetches them (verified) "
+                        "instead of recomputing; at most this many MiB, least recently used dropped first; 0 turns it "
+                        f"off, as --no-persist does (default {_ENGINE_DEFAULTS['prefix_store_mb']})")
     parser.add_argument("--durable-turns", action="store_true", default=None,
                         help="send a turn's finish only once the turn is saved (no acknowledged turn lost to a crash; default off)")
 
@@ -163,6 +168,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "snapshot_dir": args.snapshot_dir,
         "snapshot_store": args.snapshot_store,
         "durable_turns": args.durable_turns,
+        "prefix_store_mb": args.prefix_store_mb,
         "instance_id": getattr(args, "instance_id", None),
     }
     if args.kv_budget_mb:
@@ -560,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
                        "per connection, client pings at most every 10 s and only during calls, idle connections closed "
                        "after 5 min, connections asked to go away after 1 h (calls in flight get 24 h)")
     serve.add_argument("--no-persist", action="store_true",
-                       help=f"keep sessions in memory only (default: persist them in "
+                       help=f"keep sessions (and the prefix store) in memory only (default: persist them in "
                        f"{default_directory().parent.parent}/INSTANCE/snapshots, see --instance-id)")
     serve.set_defaults(run=cmd_serve)
     fleet = commands.add_parser("fleet", help="serve N replicas on Ray Serve, each session routed to the replica that "

@@ -85,6 +85,10 @@ class EngineConfig:
     # (redis://host:port/db, shared by several servers). Off when neither is set.
     snapshot_dir: str | None = None
     snapshot_store: str | None = None
+    # The persistent prefix store (kiln/snapshots/prefix_store.py), on with persistence: full KV pages are
+    # written behind to the snapshot store, at most this many MiB of them (least recently used dropped
+    # first), and a prompt whose prefix the pool lacks fetches them instead of recomputing. 0: off.
+    prefix_store_mb: int = 1024
     # A turn's finish is sent only once the turn is saved (kiln/snapshots/persistence.py's durability
     # rule): no acknowledged turn is lost to a crash, at the cost of a save's latency per turn.
     durable_turns: bool = False
@@ -141,6 +145,9 @@ class EngineConfig:
             problems.append(f"kv_policy must be one of {list(POLICIES)}, got {self.kv_policy!r}")
         if self.kv_codec not in CODECS:
             problems.append(f"kv_codec must be one of {list(CODECS)}, got {self.kv_codec!r}")
+        mb = self.prefix_store_mb
+        if not isinstance(mb, int) or isinstance(mb, bool) or mb < 0:
+            problems.append(f"prefix_store_mb must be a non-negative integer (0: off), got {mb!r}")
         for name in ("kv_host_budget_mb", "kv_disk_budget_mb", "kv_stream_chunk_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -25,6 +25,7 @@ from kiln.results import SessionInfo, SnapshotInfo, Usage
 from kiln.sessions import SessionStore
 from kiln.snapshots.ownership import Ownership
 from kiln.snapshots.persistence import Persistence
+from kiln.snapshots.prefix_store import PrefixStore
 from kiln.snapshots.store import open_store
 from kiln.text import TextDeltas
 from kiln.tokenizer import Tokenizer
@@ -56,6 +57,7 @@ class LLM:
         self.engine = Engine(self.config, self.loaded)
         target = self.config.snapshot_store or self.config.snapshot_dir
         self.persistence = self._persistence(target) if target else None
+        self.prefix_store = self._prefix_store()
         self.sessions = SessionStore(self.engine, self.config.max_sessions, self.config.session_ttl_s, self.persistence)
         if self.persistence is not None:
             _close_at_exit(self)
@@ -64,6 +66,14 @@ class LLM:
     def _persistence(self, target: str) -> Persistence:
         store = open_store(target)
         return Persistence(store, self.engine, Ownership(store, self.config.instance_id, self.config.lease_ttl_s))
+
+    def _prefix_store(self) -> PrefixStore | None:
+        """The persistent prefix store over persistence's snapshot store (off without one, or at 0 MiB)."""
+        if self.persistence is None or not self.config.prefix_store_mb:
+            return None
+        prefix_store = PrefixStore.for_engine(self.persistence.store, self.engine, self.config.prefix_store_mb * 2**20)
+        self.engine.use_prefix_store(prefix_store)
+        return prefix_store
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -167,6 +177,9 @@ class LLM:
             _unclosed.discard(self)
         self.engine.shutdown()
         self.sessions.close_all()
+        if self.prefix_store is not None:
+            self.prefix_store.close()
+            self.prefix_store = None
         if self.persistence is not None:
             self.persistence.close()
             self.persistence = None

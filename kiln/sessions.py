@@ -255,21 +255,37 @@ class SessionStore:
             while session.active is not None or session.busy or self._next_turn(session) is not stream:
                 if stream.cancel_requested:
                     raise CancelledError("the generate's caller left while it waited for the session's turn")
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    raise DeadlineExceededError(
-                        f"session {session_id} was still busy with an earlier generate at the call's deadline")
-                if now >= limit:
-                    raise FailedPreconditionError(f"session {session_id} still had a generate in flight after "
-                                                  f"{self.generate_wait_s:g} s (the server's generate_wait_s)")
-                self._changed.wait(min(TURN_CHECK_S, limit - now, (limit if deadline is None else deadline) - now))
-                if session.closed:
-                    raise NotFoundError(f"session {_shown(session_id)} {self._ended.get(session_id, (owner, 'closed'))[1]}")
+                self._wait_for_turn(session, owner, limit, deadline)
             return self._session(leaving, session_id, owner, claim=True)
         finally:
             if stream in session.waiting:
                 session.waiting.remove(stream)
             self._changed.notify_all()  # the next in line may go, or be refused
+
+    def settled(self, session_id: str, owner: str | None = None, deadline: float | None = None) -> list[int]:
+        """The history once no generate runs or waits on the session: a named chat session's next turn
+        reads it after its previous reply ended. Waits as a generate waits for its turn (see generate)."""
+        limit = time.monotonic() + self.generate_wait_s
+        with self._locked() as leaving:
+            session = self._session(leaving, session_id, owner)
+            while session.active is not None or session.busy or session.waiting:
+                self._wait_for_turn(session, owner, limit, deadline)
+                session = self._session(leaving, session_id, owner)
+            return list(session.seq.tokens)
+
+    def _wait_for_turn(self, session: _Session, owner: str | None, limit: float, deadline: float | None) -> None:
+        """One wait (store lock held) for a busy session, refused once `deadline` or `limit` has passed."""
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            raise DeadlineExceededError(
+                f"session {session.session_id} was still busy with an earlier generate at the call's deadline")
+        if now >= limit:
+            raise FailedPreconditionError(f"session {session.session_id} still had a generate in flight after "
+                                          f"{self.generate_wait_s:g} s (the server's generate_wait_s)")
+        self._changed.wait(min(TURN_CHECK_S, limit - now, (limit if deadline is None else deadline) - now))
+        if session.closed:
+            raise NotFoundError(f"session {_shown(session.session_id)} "
+                                f"{self._ended.get(session.session_id, (owner, 'closed'))[1]}")
 
     def _start(self, session: _Session, params: SamplingParams, stream: BaseStream, caller: str | None) -> BaseStream:
         """Submit the generate of a session the calling thread claimed for it."""

@@ -2,7 +2,8 @@
 thread, and the narrow API everything outside kiln/engine and kiln/kv uses: submit, cancel, stats, and
 the page-facing operations on session sequences (new, fork, append, check, release, resident K/V).
 Sampling a step's logits is kiln/engine/step_sampler.py; what the tokens become for the callers (stop
-conditions, events, finish events) is kiln/engine/output.py.
+conditions, events, finish events) is kiln/engine/output.py; pages written behind to, and fetched from,
+the persistent prefix store (`use_prefix_store`) are kiln/engine/stored_prefixes.py.
 
 Lock discipline: one lock guards the scheduler, the KV cache and the sequences' page state, and is held
 only for that bookkeeping. The forward, sampling, stop-string decoding and every emit callback run
@@ -41,6 +42,7 @@ from kiln.engine.sequence import Event, FinishEvent, InFlight, Request, Sequence
 from kiln.engine.speculative import NgramProposer
 from kiln.engine.stats import EngineStats
 from kiln.engine.step_sampler import StepSampler
+from kiln.engine.stored_prefixes import PageStore, StoredPrefixes
 from kiln.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -148,6 +150,7 @@ class Engine:
             self._propose, config.max_seqs_per_caller,
         )
         self._finished: list[Request] = []  # stateless requests whose pages the next step releases
+        self._stored: StoredPrefixes | None = None  # the persistent prefix store (`use_prefix_store`)
         self._thread: threading.Thread | None = None
         self._stopping = False
         _live_engines.add(self)
@@ -174,6 +177,25 @@ class Engine:
     @property
     def kv_layout(self) -> KVLayout:
         return self._cache.layout
+
+    def use_prefix_store(self, store: PageStore) -> StoredPrefixes:
+        """Write every page the prefix index names behind to `store`, and fetch from it what a prompt's
+        prefix lacks in the pool (kiln/engine/stored_prefixes.py). Once, before the first request."""
+        with self._lock:
+            if self._stored is not None:
+                raise RuntimeError("the engine has a prefix store already")
+            self._stored = StoredPrefixes(self._cache, store, self.stats, self._notify)
+            self._scheduler.stored = self._stored
+            return self._stored
+
+    @property
+    def stored_prefixes(self) -> StoredPrefixes | None:
+        """The engine's side of the persistent prefix store (None: off): its measured `costs`."""
+        return self._stored
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify()
 
     def kv_usage(self) -> PoolUsage:
         with self._lock:
@@ -386,6 +408,7 @@ class Engine:
             seq = Sequence(list(image.tokens), table, session=True, num_computed=computed)
             seq.forgotten_tokens = self._forgotten(seq, len(seq.tokens))  # counted when they were forgotten
             self._scheduler.park(seq)
+            self._write_behind()
             return seq
 
     def release_sequence(self, seq: Sequence) -> None:
@@ -463,7 +486,7 @@ class Engine:
         """False once shutdown began."""
         with self._wake:
             while not self._stopping and not (self._scheduler.has_work() or self._finished):
-                self._wake.wait()
+                self._wake.wait(self._stored.timeout_s() if self._stored is not None else None)
             return not self._stopping
 
     def _guarded_step(self) -> None:
@@ -502,6 +525,8 @@ class Engine:
             self._wake.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+        if self._stored is not None:
+            self._stored.close()
         try:
             if self._failure is None:
                 with self._lock:
@@ -528,6 +553,7 @@ class Engine:
         accepted = self._outputs.accept([c.request for c in sampling], sampled)
         with self._lock:
             self._settle_drafts(sampling, sampled, accepted.appended)
+            self._write_behind()
             ended = [self._finish(r, reason, stop_string) for r, reason, stop_string in accepted.endings]
             ended += [finished for r, error in accepted.failures for finished in self._fail([r], error)]
         self._outputs.deliver(ended)
@@ -549,6 +575,7 @@ class Engine:
         """Runs the model (without the lock) and commits the K/V it wrote. The logits of the sampling
         rows, or None: no row samples, or the forward failed (its requests then failed)."""
         try:
+            started = time.perf_counter()
             logits = self._runner.run(inputs)
         except Exception as error:  # a failed forward fails its requests, never the engine
             with self._lock:
@@ -558,6 +585,9 @@ class Engine:
         self.stats.note_step_attention(inputs.attention.kv.peak_bytes)
         with self._lock:
             self._commit(chunks)
+            if self._stored is not None:
+                self._stored.costs.observe_step(time.perf_counter() - started, int(inputs.input_ids.numel()))
+                self._write_behind()
         return logits
 
     def _commit(self, chunks: list[ScheduledChunk]) -> None:
@@ -571,6 +601,11 @@ class Engine:
             if forgotten > seq.forgotten_tokens:  # a sink_window history passed sink + window (ADR 0008 OQ-2)
                 self.stats.kv_forgotten_tokens += forgotten - seq.forgotten_tokens
                 seq.forgotten_tokens = forgotten
+
+    def _write_behind(self) -> None:
+        """Under the lock hold that named them: offer newly named pages to the prefix store."""
+        if self._stored is not None:
+            self._stored.write_behind()
 
     def _forgotten(self, seq: Sequence, num_tokens: int) -> int:
         return seq.table.policy.forgotten(num_tokens, self._cache.page_size)
@@ -606,6 +641,8 @@ class Engine:
 
     def _finish(self, request: Request, reason: str, stop_string: str | None = None, error: Exception | None = None) -> Finished:
         self._scheduler.remove(request)
+        if self._stored is not None:
+            self._stored.forget(request)
         usage = request.settle_usage()
         self.stats.reused_tokens += request.reused_tokens
         self.stats.prefix_hit_tokens += request.prefix_hit_tokens

@@ -14,6 +14,11 @@ resumes from the prefix cache); a running request with nothing later-admitted to
 itself, and a waiting one waits while anything runs. Only a request that cannot fit the pool alone
 fails. Histories are never touched: dropped K/V is recomputed (or found in the prefix cache) when needed.
 
+With the persistent prefix store on (`stored`, kiln/engine/stored_prefixes.py), a request whose prompt the
+store holds past the pool's prefix has its pages fetched before it is admitted: it waits out of the steps
+(others are admitted past it, and a step runs without it) until they arrive or its patience runs out; a
+prefill under way takes fetched pages that land between its steps.
+
 A request whose consumer stopped taking tokens (`Request.paused`, set by its stream's Backpressure) leaves
 the running list at the next step for `paused`: it takes no step, no `max_num_seqs` slot and no share of
 the budget, so a client that never reads holds up no one. It keeps its pages, but they are the first
@@ -41,6 +46,7 @@ from enum import Enum
 
 from kiln.engine.sequence import Request, Sequence
 from kiln.engine.stats import EngineStats
+from kiln.engine.stored_prefixes import StoredPrefixes
 from kiln.errors import ResourceExhaustedError
 from kiln.kv.cache import KVCache
 
@@ -89,6 +95,7 @@ class Scheduler:
         self.parked: OrderedDict[int, Sequence] = OrderedDict()  # idle session sequences, least recently used first
         self.paused: list[Request] = []  # set aside until their consumers read again
         self.failed: list[tuple[Request, Exception]] = []
+        self.stored: StoredPrefixes | None = None  # the persistent prefix store, when the engine has one
         self._chunks: dict[Request, int] = {}
         self._drafts: dict[Request, list[int]] = {}
         self._budget = 0
@@ -98,8 +105,13 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_work(self) -> bool:
-        """Something to step: a queued or running request, or a paused one resumed or cancelled."""
-        return bool(self.waiting or self.running) or any(not r.paused.is_set() or r.cancelled.is_set() for r in self.paused)
+        """Something to step: a running request, a queued one not waiting for its fetch, or a paused one
+        resumed or cancelled."""
+        return (bool(self.running) or any(not self._fetching(r) or r.cancelled.is_set() for r in self.waiting)
+                or any(not r.paused.is_set() or r.cancelled.is_set() for r in self.paused))
+
+    def _fetching(self, request: Request) -> bool:
+        return self.stored is not None and self.stored.waiting(request)
 
     def requests(self) -> list[Request]:
         """Every request the scheduler holds: waiting, running or paused."""
@@ -126,6 +138,9 @@ class Scheduler:
         self._settle_pauses()
         self._budget = self.max_batched_tokens
         self._chunks, self._drafts = {}, {}
+        if self.stored is not None:  # fetched pages that landed during a prefill
+            for request in self.running:
+                request.reused_tokens += self.stored.apply(request)
         decodes = [r for r in self.running if r.seq.uncomputed == 1]
         prefills = sorted((r for r in self.running if r.seq.uncomputed > 1), key=lambda r: r.seq.uncomputed)
         drafting = len(decodes) <= MAX_DRAFTING_SEQUENCES
@@ -171,6 +186,8 @@ class Scheduler:
 
     def _admit(self, reserve: int) -> None:
         while self._budget > reserve and (request := self._next_admission()) is not None:
+            if self.stored is not None and self.stored.begin(request):
+                continue  # it waits for its pages out of this step (`_next_admission` passes it by)
             attached = self._attach(request)
             size = min(self._chunk(request), self._budget - reserve)
             room = self._reserve(request, size, admitting=True)
@@ -192,7 +209,7 @@ class Scheduler:
         the first queued of the callers under their cap holding the fewest slots. With every slot taken,
         the caller holding the most gives one up if it holds at least two more; else None."""
         held = Counter(r.caller for r in self.running)
-        request = min((r for r in self.waiting if held[r.caller] < self.max_seqs_per_caller),
+        request = min((r for r in self.waiting if held[r.caller] < self.max_seqs_per_caller and not self._fetching(r)),
                       key=lambda r: held[r.caller], default=None)  # the first of equals: queue order
         if request is None or len(self.running) < self.max_num_seqs:
             return request
@@ -207,20 +224,24 @@ class Scheduler:
 
     def _attach(self, request: Request) -> bool:
         """Give the request what K/V it can have without computing: its own (a session's), the prefix
-        cache's, or, when every token is computed, all but the last (its logits are needed). True when
-        pages were taken from the prefix cache."""
+        cache's and then its fetch's (the persistent prefix store's), or, when every token is computed,
+        all but the last (its logits are needed). True when pages were taken from the prefix cache or the
+        fetch."""
         seq = request.seq
-        attached = False
+        attached, restored = False, 0
         if seq.num_computed == 0 and not seq.table.holds_pages:
             seq.num_computed = self.cache.attach(seq.table, seq.tokens)
-            attached = seq.num_computed > 0
             if not request.prompt_tokens:
                 request.prefix_hit_tokens = seq.num_computed
+            restored = self.stored.apply(request) if self.stored is not None else 0
+            attached = seq.num_computed > 0
         elif seq.uncomputed == 0:
             seq.num_computed = self.cache.drop(seq.table, seq.num_computed - 1)
         if not request.prompt_tokens:
             request.prompt_tokens = len(seq.tokens)
             request.reused_tokens = seq.num_computed
+        else:  # admitted again (preempted, or it waited for room): what it restores now it did not compute
+            request.reused_tokens += restored
         return attached
 
     # ---- making room --------------------------------------------------------------------------------

@@ -80,6 +80,7 @@ class Request:
     prompt_tokens: int = 0
     reused_tokens: int = 0
     prefix_hit_tokens: int = 0  # of reused_tokens, those found in the prefix cache at admission
+    fetch_tried: bool = False  # its admission looked for its prompt in the persistent prefix store
     generated: list[int] = field(default_factory=list)
     submitted_at: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None

@@ -11,6 +11,12 @@ class EngineStats:
     prefill_tokens: int = 0  # prompt tokens computed
     reused_tokens: int = 0  # prompt tokens whose K/V was already in pages when a request started
     prefix_hit_tokens: int = 0  # of those, tokens found through the prefix cache (not a session's own)
+    restored_tokens: int = 0  # of those, tokens whose pages came from the persistent prefix store, not recomputed
+    # Fetches from the persistent prefix store (kiln/engine/stored_prefixes.py) by what became of them:
+    # "started", then "restored" (pages put in a table), "unused" (the request had computed past them, or the
+    # pool could not take them), "failed" (the store could not be read); "late" counts those the request
+    # stopped waiting for (it recomputed; pages that land during its prefill may still be used).
+    prefix_fetches: Counter[str] = field(default_factory=Counter)
     generated_tokens: int = 0
     steps: int = 0
     preemptions: int = 0  # running requests requeued for KV pages

@@ -6,7 +6,10 @@ handle (`hands_on`, kiln/fleet/routing.py):
 
 - GET /metrics, GET /v1/sessions and the gRPC ListSessions are asked of every replica at once (Ray's
   broadcast) and the answers joined (kiln/fleet/metrics.py, kiln/fleet/listing.py);
-- a stateless OpenAI request goes to the replica its prompt's opening picks (its prefix cache), which
+- an OpenAI request with a `Kiln-Session` header goes to the owner of the session its name is bound to
+  (kiln/server/chat_sessions.py; the binding is read from the shared store), answered here when this
+  replica holds it;
+- another stateless OpenAI request goes to the replica its prompt's opening picks (its prefix cache), which
   the proxy's router cannot see: the body comes after routing. This replica picks it (rendezvous hashing
   over the running replicas, whose ids it refreshes by broadcast at most once a MEMBERS_TTL_S) and
   answers in process when it is its own, so it never hands a request on to itself (Route.origin).
@@ -118,11 +121,16 @@ def _headers(head: ResponseHead) -> dict[str, str]:
 
 class HttpFront:
     """The ASGI app a replica serves to Ray's HTTP proxy: `app` (kiln serve's) in process, each response
-    naming this replica; the requests that `hands_on` names, over `replicas` (the replicas' `http` method)."""
+    naming this replica; the requests that `hands_on` names, over `replicas` (the replicas' `http` method).
+    `bound_session(request)`: the session a named-session request goes to (None: not one, or a new name);
+    `holds(session_id)`: whether this replica owns that session."""
 
     def __init__(self, app: Callable, replica_id: str, replicas: Callable[[], DeploymentHandle],
-                 max_request_bytes: int) -> None:
+                 max_request_bytes: int, bound_session: Callable[[HttpRequest], str | None],
+                 holds: Callable[[str], bool]) -> None:
         self.app = app
+        self.bound_session = bound_session
+        self.holds = holds
         self.replica_id = replica_id
         self.header = (REPLICA_HEADER, replica_id.encode())
         self.replicas = replicas
@@ -172,11 +180,16 @@ class HttpFront:
                 response = await self._every_replicas_answers(request)
             except UnavailableError as error:
                 response = error_response(error)
+        elif (session_id := await asyncio.to_thread(self.bound_session, request)) is not None:
+            if self.holds(session_id):
+                await self._here(scope, _replayed(request.body, receive), send)
+                return
+            response = await self._handed_to(Route(session_id=session_id, origin=self.replica_id), request)
         elif (holder := await self._holder(request.body)) == self.replica_id:
             await self._here(scope, _replayed(request.body, receive), send)
             return
         else:
-            response = await self._handed_to(holder, request)
+            response = await self._handed_to(Route(replica=holder, origin=self.replica_id), request)
         await response(scope, receive, send)
 
     async def _holder(self, body: bytes) -> str:
@@ -189,10 +202,10 @@ class HttpFront:
             self._members_at = time.monotonic()
         return opening_holder(opening, self._members or [self.replica_id])
 
-    async def _handed_to(self, holder: str, request: HttpRequest) -> Response:
+    async def _handed_to(self, route: Route, request: HttpRequest) -> Response:
         replicas = self.replicas().options(method_name="http", stream=True)
         try:
-            head, stream = await _open(replicas, Route(replica=holder, origin=self.replica_id), request)
+            head, stream = await _open(replicas, route, request)
         except UnavailableError as error:
             return error_response(error)
         headers = _headers(head)

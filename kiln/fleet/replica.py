@@ -16,6 +16,7 @@ hand-off), so the next turn of each is routed to another replica and restored th
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import AsyncIterator
@@ -24,12 +25,13 @@ from dataclasses import asdict, dataclass, field, replace
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from kiln.errors import UnavailableError
+from kiln.errors import KilnError, UnavailableError
 from kiln.fleet.front import GrpcFront, HttpFront, with_runtime_methods
 from kiln.fleet.grpc_bridge import GrpcCall, GrpcStatus, call_servicer
 from kiln.fleet.http_bridge import REPLICA_HEADER, HttpRequest, ResponseHead, call_asgi
 from kiln.fleet.routing import LoadReport, Route, instance_id_for
 from kiln.llm import LLM
+from kiln.server import chat_sessions
 from kiln.server.app import ServeOptions, ServingStack
 from kiln.server.grpc import RuntimeServicer
 
@@ -60,10 +62,35 @@ class KilnReplica:
         self._replicas: DeploymentHandle | None = None
         max_bytes = spec.serve_options.max_request_bytes
         self.grpc_front = GrpcFront(self.grpc, self.replicas, max_bytes)
-        self._http_front = HttpFront(self.stack.http_app, self.replica_id, self.replicas, max_bytes)
+        self._http_front = HttpFront(self.stack.http_app, self.replica_id, self.replicas, max_bytes,
+                                     self._bound_session, self._holds)
 
     def __serve_build_asgi_app__(self) -> HttpFront:  # noqa: PLW3201 - Ray Serve's name for a late-bound ingress app
         return self._http_front
+
+    def _bound_session(self, request: HttpRequest) -> str | None:
+        """The session a request continues, for routing: the one its `Kiln-Session` name is bound to, or a
+        Responses API follow-up's previous response's. None when it continues none (or names nothing valid:
+        the app refuses it), its key is refused, or the store cannot say (then it is answered here)."""
+        headers = dict(request.headers)
+        authorization = headers.get(b"authorization")
+        accepted, owner = self.stack.keys.routing_identity(authorization.decode("latin-1") if authorization else None)
+        if not accepted:
+            return None
+        service = self.stack.service
+        try:
+            if request.path == "/v1/responses":
+                previous = _previous_response_id(request.body)
+                return None if previous is None else service.responses.get(owner, previous).session_id
+            name = headers.get(chat_sessions.HEADER.encode(), b"").decode("latin-1")
+            binding = service.session_names.get(owner, name) if chat_sessions.NAME.fullmatch(name) else None
+        except KilnError:
+            return None
+        return binding.session_id if binding is not None else None
+
+    def _holds(self, session_id: str) -> bool:
+        persistence = self.llm.persistence
+        return persistence is not None and persistence.ownership.fence(session_id) is not None
 
     def replicas(self) -> DeploymentHandle:
         """The handle on every replica of this deployment (this one included), for the requests handed on."""
@@ -114,3 +141,13 @@ class KilnReplica:
         if getattr(self, "llm", None) is not None:
             self.llm.close()
             self.llm = None
+
+
+def _previous_response_id(body: bytes) -> str | None:
+    """A Responses API request's previous_response_id, if its body names one."""
+    try:
+        request = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    previous = request.get("previous_response_id") if isinstance(request, dict) else None
+    return previous if isinstance(previous, str) else None

@@ -27,7 +27,7 @@ from kiln.v1 import rpc
 PREFIX_CHARS = 512  # the opening hashed: a few pages of prompt, shared by requests with one system prompt
 INSTANCE_PREFIX = "fleet-"  # a replica's instance id in the snapshot store: fleet-<Ray replica id>
 _SESSION_PATH = re.compile(r"^/v1/sessions/([^/]+)(?:/.*)?$")
-_STATELESS_PATHS = ("/v1/chat/completions", "/v1/completions")
+_BODY_ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")  # POSTs routed by their body
 EVERY_REPLICA_PATHS = ("/metrics", "/v1/sessions")  # GET: every replica answers its part
 EVERY_REPLICA_METHODS = ("ListSessions",)  # the same over gRPC
 
@@ -72,7 +72,7 @@ def asks_every_replica(method: str, path: str) -> bool:
 def hands_on(method: str, path: str) -> bool:
     """Whether an HTTP request must be handed on by the replica Ray's proxy gave it to (which routes by
     what it holds before the body: the path): it asks every replica, or its route is in its body."""
-    return asks_every_replica(method, path) or (method == "POST" and path in _STATELESS_PATHS)
+    return asks_every_replica(method, path) or (method == "POST" and path in _BODY_ROUTED_PATHS)
 
 
 def route_for(path: str) -> Route:

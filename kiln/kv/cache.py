@@ -1,6 +1,7 @@
 """KVCache: the one owner of KV pages. The pool (free list, refcounts), the prefix index (chain hash ->
 page, LRU of cached pages) and every sequence's page table change only through its methods, all called
-under the engine lock: attach (prefix match), ensure, commit, fork, drop (roll back), release.
+under the engine lock: attach (prefix match), ensure, commit, fork, drop (roll back), release, and
+extend (pages fetched from the persistent prefix store, kiln/snapshots/prefix_store.py).
 
 A page is free (no content), used (refcount > 0) or cached (named content, refcount 0, evictable in LRU
 order). Allocation takes a free page first and evicts the least recently used cached page second. A page
@@ -11,12 +12,17 @@ A `restore` sequence's global-group pages that leave its resident set go to the 
 under the same key before the pool page is released; its table then references the tier page, and a
 prefix match or a fork may take tier pages as well as pool pages. When no tier has room a page simply
 stays resident (exact, just not bounded): K/V someone reads is never lost.
+
+With the persistent prefix store on (`track_named`), every page the index names is logged, so the engine
+copies it out in the same lock hold and the store writes it behind; `extend` puts pages that store fetched
+back, named like computed ones. A named page's key holds the whole prefix under the KV format and policy
+(kiln/kv/pages.py), so any named page, of any group, is restored exactly by its bytes.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +69,7 @@ class KVCache:
         self._key_of: dict[int, Key] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages, least recently used first
         self._evicted = 0
+        self._named: list[tuple[Key, int]] | None = None  # pages named since `take_named` (None: not tracked)
 
     # ---- the pool as a whole ------------------------------------------------------------------------
 
@@ -105,38 +112,107 @@ class KVCache:
 
     # ---- sequence operations ------------------------------------------------------------------------
 
+    def chain(self, policy: KVPolicy, tokens: Sequence[int]) -> list[PageHash]:
+        """Chain hashes of the full pages a sequence over `tokens` may take without computing: every full
+        page but one holding the last token (its logits are what a request samples from)."""
+        return chain_hashes(tokens, self.page_size, self.salt(policy), end_page=max(0, len(tokens) - 1) // self.page_size)
+
     def attach(self, table: PageTable, tokens: Sequence[int]) -> int:
         """Start an empty table from the longest cached prefix of whole pages whose K/V every page the
-        policy reads is cached for, leaving at least one token to compute (its logits are what a request
-        samples from). Takes a reference to each page; returns the number of tokens now computed."""
+        policy reads is cached for, leaving at least one token to compute. Takes a reference to each page;
+        returns the number of tokens now computed."""
         if table.holds_pages or table.hashes:
             raise RuntimeError("attach needs an empty page table")
-        ps = self.page_size
-        hashes = chain_hashes(tokens, ps, self.salt(table.policy), end_page=max(0, len(tokens) - 1) // ps)
-        unbounded = [g for g, group in enumerate(self.layout.groups) if group.window is None]
-        tiers = self.tiers if table.policy.tiered else None
-
-        def kept(g: int, i: int) -> bool:
-            return self.lookup(g, hashes[i]) is not None or (tiers is not None and tiers.has((g, hashes[i])))
-
-        count = 0
-        while count < len(hashes) and all(kept(g, count) for g in unbounded):
-            count += 1
-        while count > 0 and not all(self.lookup(g, hashes[i]) is not None for g, i in self._resident(table.policy, count)):
-            count -= 1
-        resident = set(self._resident(table.policy, count))
-        for g in range(self.layout.num_groups):
-            for i in range(count):
-                page = self.lookup(g, hashes[i]) if (g, i) in resident or (tiers is not None and g in unbounded) else None
-                if page is not None:
-                    self._acquire(page)
-                elif tiers is not None and g in unbounded:
-                    tiers.acquire((g, hashes[i]))
-                    table.tiered[g].add(i)
-                table.pages[g].append(page)
-        table.hashes = hashes[:count]
+        hashes = self.chain(table.policy, tokens)
+        count = self.reach(table.policy, hashes, 0)
         table.swept = [0] * self.layout.num_groups
-        return count * ps
+        self._take(table, hashes[:count], {})
+        return count * self.page_size
+
+    def reach(self, policy: KVPolicy, hashes: Sequence[PageHash], start: int,
+              also: Callable[[Key], bool] = lambda key: False) -> int:
+        """How far (in pages) a table holding pages [0, start) of the chain `hashes` could be extended now,
+        counting a page as there when the prefix index has it or `also` says it can be had (the persistent
+        prefix store's): every global group's page up to there (for a tiered policy a tier's will do), and
+        in the pool every page the policy keeps resident there."""
+        tiers = self.tiers if policy.tiered else None
+        unbounded = [g for g, group in enumerate(self.layout.groups) if group.window is None]
+
+        def pooled(g: int, i: int) -> bool:
+            return self.lookup(g, hashes[i]) is not None or also((g, hashes[i]))
+
+        end = start
+        while end < len(hashes) and all(pooled(g, end) or (tiers is not None and tiers.has((g, hashes[end])))
+                                        for g in unbounded):
+            end += 1
+        checked = set(unbounded) if tiers is None and policy.name == "full" else set()  # the loop above saw them
+        while end > start and not all(pooled(g, i) for g, i in self._resident(policy, end) if i >= start and g not in checked):
+            end -= 1
+        return end
+
+    def extend(self, table: PageTable, hashes: Sequence[PageHash], fetched: dict[Key, torch.Tensor]) -> int:
+        """Grow a table that holds whole pages only ([0, len(table.hashes)), nothing past) along its chain:
+        `hashes` names the next pages. Each page comes from the prefix index (or a tier) where it is there,
+        else from `fetched` (bytes the persistent prefix store returned, verified): those are written to
+        new pool pages and named like computed ones. Goes as far as `reach` allows, all or nothing: when the
+        pool cannot take the fetched pages now, nothing changes. Returns the pages the table holds."""
+        start = len(table.hashes)
+        if any(len(pages) != start for pages in table.pages):
+            raise RuntimeError("extend needs a table of whole pages only")
+        chain = [*table.hashes, *hashes]
+        end = self.reach(table.policy, chain, start, fetched.__contains__)
+        if end == start or len(self._sources(table.policy, chain, start, end)[2]) > self.available():
+            return start
+        self._take(table, chain[start:end], fetched)
+        return end
+
+    def missing(self, policy: KVPolicy, chain: Sequence[PageHash], start: int) -> list[Key]:
+        """Keys of the pages [start, len(chain)) a table of the chain would hold that neither the pool nor a
+        tier has now: what `extend` needs fetched."""
+        return [(g, chain[i]) for g, i in self._sources(policy, chain, start, len(chain))[2]]
+
+    def _take(self, table: PageTable, hashes: Sequence[PageHash], fetched: dict[Key, torch.Tensor]) -> None:
+        """Append the pages `hashes` names to a table of whole pages, where `reach` found them: references to
+        pool and tier pages first (so that writing fetched pages to new ones evicts none of them), then the
+        fetched pages, named, in new pool pages. Pages the policy does not keep are None."""
+        start = len(table.hashes)
+        chain = [*table.hashes, *hashes]
+        pooled, tiered, new = self._sources(table.policy, chain, start, len(chain))
+        slots: list[list[int | None]] = [[None] * len(hashes) for _ in table.pages]
+        for (g, i), page in pooled.items():
+            self._acquire(page)
+            slots[g][i - start] = page
+        for g, i in tiered:
+            self.tiers.acquire((g, chain[i]))  # type: ignore[union-attr]
+            table.tiered[g].add(i)
+        for g, i in new:
+            page = self._allocate()
+            self.storage.page(page).copy_(fetched[(g, chain[i])])
+            self._register(g, chain[i], page, log=False)
+            slots[g][i - start] = page
+        for pages, added in zip(table.pages, slots, strict=True):
+            pages.extend(added)
+        table.hashes = chain
+
+    def _sources(self, policy: KVPolicy, chain: Sequence[PageHash], start: int,
+                 end: int) -> tuple[dict[tuple[int, int], int], list[tuple[int, int]], list[tuple[int, int]]]:
+        """Where each page index [start, end) of a table of `end` pages comes from: pool pages by (group,
+        index), (group, index) pairs from a tier, and pairs to write anew. The table holds in the pool the
+        pages the policy keeps resident, and under a tiered policy every global page besides, from a tier
+        where the pool lacks it."""
+        resident = set(self._resident(policy, end))
+        global_groups = [g for g, group in enumerate(self.layout.groups) if group.window is None]
+        held = resident | ({(g, i) for g in global_groups for i in range(end)} if policy.tiered else set())
+        pooled, tiered, new = {}, [], []
+        for g, i in sorted(pair for pair in held if pair[1] >= start):
+            page = self.lookup(g, chain[i])
+            if page is not None:
+                pooled[(g, i)] = page
+            elif (g, i) not in resident and self.tiers is not None and self.tiers.has((g, chain[i])):
+                tiered.append((g, i))
+            else:
+                new.append((g, i))
+        return pooled, tiered, new
 
     def pages_needed(self, table: PageTable, num_tokens: int) -> int:
         """New pages `ensure` would allocate to cover positions [0, num_tokens)."""
@@ -263,14 +339,30 @@ class KVCache:
         wanted = [((g, i), page) for g, pages in enumerate(table.pages) for i, page in enumerate(pages)
                   if page is not None and not (i < full and known.get((g, i)) == page)]
         blocks = {}
-        if wanted:  # one gather for every page (a copy per page costs more in calls than in bytes)
-            ids = torch.tensor([page for _, page in wanted], dtype=torch.long, device=self.storage.device)
-            rows = self.storage.data.index_select(0, ids).to("cpu")
+        if wanted:
+            rows = self.copy_out([page for _, page in wanted])
             for row, (key, _) in zip(rows, wanted, strict=True):
                 if key[1] == full:  # the partial last page: nothing past the computed tokens leaves
                     self.storage.codec.clear_from(row, num_computed % self.page_size)
                 blocks[key] = row
         return KVImage(list(tokens), num_computed, table.policy, [list(pages) for pages in table.pages], blocks)
+
+    def copy_out(self, pages: Sequence[int]) -> torch.Tensor:
+        """The pages' bytes in CPU memory, uint8 [len(pages), page_nbytes]: one gather (a copy per page
+        costs more in calls than in bytes)."""
+        ids = torch.tensor(list(pages), dtype=torch.long, device=self.storage.device)
+        return self.storage.data.index_select(0, ids).to("cpu")
+
+    def track_named(self) -> None:
+        """Log every page named from now on, for `take_named` (the persistent prefix store's write-behind)."""
+        self._named = []
+
+    def take_named(self) -> list[tuple[Key, int]]:
+        """The pages named since the last call that still hold what they were named for, with their keys,
+        and forget them. Call under the lock hold that copies them out (`copy_out`): a page released may
+        be handed out again at the next allocation."""
+        named, self._named = self._named or [], [] if self._named is not None else None
+        return [(key, page) for key, page in named if self._key_of.get(page) == key]
 
     def load(self, image: KVImage) -> PageTable | None:
         """A table holding an image's K/V in fresh pages, its full pages named for the prefix index like
@@ -375,10 +467,13 @@ class KVCache:
             else:
                 self._free.append(page)
 
-    def _register(self, group: int, page_hash: PageHash, page: int) -> None:
-        """Name a freshly filled page. If another page already holds that content, the first stays the
-        canonical one and this page remains unnamed (it is freed, not cached, when released)."""
+    def _register(self, group: int, page_hash: PageHash, page: int, log: bool = True) -> None:
+        """Name a freshly filled page (logged for `take_named` unless its bytes came from the prefix store).
+        If another page already holds that content, the first stays the canonical one and this page
+        remains unnamed (it is freed, not cached, when released)."""
         key = (group, page_hash)
         if key not in self._page_of and page not in self._key_of:
             self._page_of[key] = page
             self._key_of[page] = key
+            if log and self._named is not None:
+                self._named.append((key, page))

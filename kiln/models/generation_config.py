@@ -1,7 +1,8 @@
 """GenerationDefaults: the sampling defaults a model's authors ship in an HF directory's
 generation_config.json, which the OpenAI API uses for what a request leaves out, as vLLM does
 (`--generation-config auto`): Qwen3 asks for temperature 0.6, top_p 0.95, top_k 20. A request's explicit
-value always wins. A GGUF file carries none, so Kiln's own defaults (greedy, 256 tokens) stay.
+value always wins. A GGUF file carries none. What neither sets, the OpenAI API fills with OpenAI's own
+defaults (kiln/server/chat_plan.py OPENAI_DEFAULTS: temperature and top_p 1.0), then Kiln's (256 tokens).
 
 vLLM's keys, under the names Kiln's requests use: temperature, top_p, top_k, min_p, repetition_penalty,
 and max_new_tokens as max_tokens. Like vLLM, `do_sample` is not read: a shipped temperature applies.

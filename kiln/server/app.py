@@ -255,7 +255,7 @@ Dashboard (sessions, KV pages, prefix reuse, latency, snapshots; live): {dashboa
 Try it (from the repository; a base model such as the embedded one continues text, and chat reaches it as a
 Q&A transcript, see --chat-format):
   curl -s{curl_tls} {http}/v1/completions -H 'Content-Type: application/json'{header} \\
-       -d '{{"prompt": "The capital of France is", "max_tokens": 16}}'
+       -d '{{"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}}'
 
   .venv/bin/python - <<'PY'
 {imports}from kiln.client import Client
@@ -273,10 +273,10 @@ PY
 {imports}import openai
 {openai_setup}client = openai.OpenAI(base_url="{http}/v1", api_key={key}{openai_tls})
 ask = [{{"role": "user", "content": "What is the capital of France?"}}]
-print(client.chat.completions.create(model="kiln", messages=ask).choices[0].message.content)
+print(client.chat.completions.create(model="kiln", messages=ask, temperature=0).choices[0].message.content)
 city = {{"type": "object", "required": ["city", "country"], "properties": {{
     "city": {{"type": "string", "maxLength": 20}}, "country": {{"type": "string", "maxLength": 20}}}}}}
-reply = client.chat.completions.create(model="kiln", messages=ask, response_format={{
+reply = client.chat.completions.create(model="kiln", messages=ask, temperature=0, response_format={{
     "type": "json_schema", "json_schema": {{"name": "city", "schema": city}}}})
 print(reply.choices[0].message.content)
 PY
@@ -289,16 +289,17 @@ tools in its own format. One server serves one model: start a second one for it 
 {imports}import openai
 {openai_setup}client = openai.OpenAI(base_url="{instruct_url}/v1", api_key={key}{openai_tls})
 ask = [{{"role": "user", "content": "What is the capital of France?"}}]
-print(client.chat.completions.create(model="{INSTRUCT_MODEL}", messages=ask).choices[0].message.content)
+print(client.chat.completions.create(model="{INSTRUCT_MODEL}", messages=ask, temperature=0).choices[0].message.content)
 weather = {{"type": "function", "function": {{"name": "get_weather", "parameters": {{
     "type": "object", "required": ["city"], "properties": {{"city": {{"type": "string"}}}}}}}}}}
 ask = [{{"role": "user", "content": "What is the weather in Paris?"}}]
-call = client.chat.completions.create(model="{INSTRUCT_MODEL}", messages=ask, tools=[weather],
+call = client.chat.completions.create(model="{INSTRUCT_MODEL}", messages=ask, tools=[weather], temperature=0,
                                       tool_choice="required").choices[0].message.tool_calls[0]
 print(call.function.name, call.function.arguments)
 ask += [{{"role": "assistant", "tool_calls": [call.model_dump()]}},
         {{"role": "tool", "tool_call_id": call.id, "content": '{{"temperature_c": 18, "sky": "sunny"}}'}}]
-print(client.chat.completions.create(model="{INSTRUCT_MODEL}", messages=ask, tools=[weather]).choices[0].message.content)
+print(client.chat.completions.create(model="{INSTRUCT_MODEL}", messages=ask, tools=[weather],
+                                     temperature=0).choices[0].message.content)
 PY
 """
 

@@ -121,6 +121,17 @@ class ApiKeys:
         entry = self._keys.get(identity) if identity is not None else None
         return entry is not None and entry.admin
 
+    def routing_identity(self, authorization: str | None) -> tuple[bool, str | None]:
+        """(accepted, identity) as `identify` would decide, without throttling or counting a failure: for
+        routing a request before the server it reaches authenticates it (kiln/fleet/front.py)."""
+        entries = tuple(self._keys.values())
+        if not entries:
+            return True, None
+        try:
+            return True, _match(entries, authorization).identity
+        except UnauthenticatedError:
+            return False, None
+
     def identify(self, authorization: str | None, peer: str | None = None) -> str | None:
         """The caller's identity from an `Authorization` value; None when auth is off. Raises
         UnauthenticatedError for a missing, malformed or unknown key, and, without looking at the key,

@@ -12,8 +12,13 @@ Engine.in_flight, one short engine-lock hold per reading. Latency percentiles co
 finished in the last LATENCY_WINDOW_S and the ones in flight (their TTFT once they have a first token,
 their age so far as a turn time), so they fill while a long generation runs.
 
-Every caller shares the reading; `view` cuts it down to the sessions and requests the caller may see
-(its own, or all for an admin key or with auth off). Aggregates (pool, counters, latency) are shown to
+Stored responses of the Responses API (kiln/server/stored_responses.py ResponseBook.survey: those this
+server holds in memory) are counted per session (a row's `responses`, which the page's filter finds by the
+word "responses") and in all (`responses`, what the caller may see): a stored response is a point in its
+session.
+
+Every caller shares the reading; `view` cuts it down to the sessions, requests and responses the caller may
+see (its own, or all for an admin key or with auth off). Aggregates (pool, counters, latency) are shown to
 every authenticated caller: they are what /metrics already publishes.
 """
 
@@ -23,7 +28,7 @@ import json
 import statistics
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -74,6 +79,7 @@ class Reading:
     snapshots: dict[str, SavedSnapshot] = field(default_factory=dict)
     evicted: tuple[SavedSnapshot, ...] = ()
     requests: tuple[InFlight, ...] = ()
+    responses: dict[str | None, Counter[str]] = field(default_factory=dict)  # owner -> session id -> responses
     taken_at: float = field(default_factory=time.monotonic)
     _encoded: dict[tuple[str | None, bool], bytes] = field(default_factory=dict, compare=False, repr=False)
 
@@ -82,8 +88,20 @@ class Reading:
         rows = [_row(s, self._own_snapshot(s.info.session_id), sees_all)
                 for s in self.sessions if sees_all or s.owner == owner]
         rows += [_evicted_row(saved, sees_all) for saved in self.evicted if sees_all or saved.owner == digest]
+        responses = self._responses(owner, sees_all)
+        for row in rows:
+            row["responses"] = responses[row["id"]]
         requests = [_request_row(r, sees_all) for r in self.requests if sees_all or r.owner == owner]
-        return {**self.overview, "sees_all": sees_all, "sessions": rows, "requests": requests}
+        return {**self.overview, "sees_all": sees_all, "sessions": rows, "requests": requests,
+                "responses": {"stored": responses.total(), "sessions": len(responses)}}
+
+    def _responses(self, owner: str | None, sees_all: bool) -> Counter[str]:
+        """Stored responses per session, of the sessions the caller may see."""
+        visible: Counter[str] = Counter()
+        for who, sessions in self.responses.items():
+            if sees_all or who == owner:
+                visible.update(sessions)
+        return visible
 
     def _own_snapshot(self, session_id: str) -> SavedSnapshot | None:
         return self.snapshots.get(session_snapshot_id(session_id))
@@ -102,24 +120,27 @@ class Reading:
         snapshots = sorted((_snapshot(saved) for saved in self.snapshots.values()
                             if saved.session_id == session_id and (sees_all or saved.owner == digest)),
                            key=lambda snapshot: -snapshot["saved_at"])
+        responses = self._responses(owner, sees_all)[session_id]
         for live in self.sessions:
             if live.info.session_id == session_id and (sees_all or live.owner == owner):
                 info = live.info
                 global_pages = info.global_kv_bytes // self.overview["pool"]["page_bytes"]
-                return {**_row(live, self._own_snapshot(session_id), sees_all), "snapshots": snapshots,
+                return {**_row(live, self._own_snapshot(session_id), sees_all), "snapshots": snapshots, "responses": responses,
                         "turns": [asdict(turn) for turn in live.turns],
                         "pages_by_group": {"global": global_pages, "sliding_window": info.resident_pages - global_pages}}
         for saved in self.evicted:
             if saved.session_id == session_id and (sees_all or saved.owner == digest):
-                return {**_evicted_row(saved, sees_all), "snapshots": snapshots, "turns": [],
+                return {**_evicted_row(saved, sees_all), "snapshots": snapshots, "responses": responses, "turns": [],
                         "pages_by_group": {"global": 0, "sliding_window": 0}}
         return None
 
 
 class DashboardState:
-    def __init__(self, llm: LLM, health: Callable[[], dict], refresh_s: float = REFRESH_S) -> None:
+    def __init__(self, llm: LLM, health: Callable[[], dict],
+                 responses: Callable[[], dict[str | None, Counter[str]]] = dict, refresh_s: float = REFRESH_S) -> None:
         self.llm = llm
         self.health = health
+        self.responses = responses  # stored responses per owner and session
         self.refresh_s = refresh_s
         self._lock = threading.Lock()  # one reading at a time; callers meanwhile wait for it
         self._reading: Reading | None = None
@@ -197,7 +218,7 @@ class DashboardState:
             },
             "history": list(self._history),
         }
-        return Reading(overview, sessions, saved, evicted, requests)
+        return Reading(overview, sessions, saved, evicted, requests, self.responses())
 
     def _sample(self, totals: _Totals, usage, requests: tuple[InFlight, ...]) -> None:  # noqa: ANN001 - PoolUsage
         """Append a history point when HISTORY_STEP_S has passed since the last one: rates over the gap,

@@ -157,14 +157,17 @@ def sse_event(payload: object) -> bytes:
 
 class SseResponse(StreamingResponse):
     """Server-sent events: one `data: <json>` per event, then `data: [DONE]`. An error while streaming
-    becomes a final `data: {"error": ...}` event. When the response ends (finished, failed, or the
-    client went away) every generation still running is cancelled, and the outcome is left in the
-    scope for the request metrics."""
+    becomes a final `data: {"error": ...}` event, or the event `failure` makes of that envelope (an API
+    with typed events has its own). When the response ends (finished, failed, or the client went away)
+    every generation still running is cancelled, and the outcome is left in the scope for the request
+    metrics."""
 
-    def __init__(self, events: AsyncIterator[object], streams: Sequence[AsyncGenerationStream]) -> None:
+    def __init__(self, events: AsyncIterator[object], streams: Sequence[AsyncGenerationStream],
+                 failure: Callable[[dict], object] | None = None) -> None:
         self.streams = list(streams)
         AsyncGenerationStream.read_in_turn(self.streams)  # the events of one stream after another
         self.outcome: str | None = None
+        self.failure = failure
         super().__init__(self._encode(events), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -177,7 +180,7 @@ class SseResponse(StreamingResponse):
             if status == 500:
                 logger.error("internal error while streaming an HTTP response", exc_info=error)
             self.outcome = body["error"]["code"]  # type: ignore[index]
-            yield sse_event(body)
+            yield sse_event(body if self.failure is None else self.failure(body))
         yield SSE_DONE
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

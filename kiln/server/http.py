@@ -1,7 +1,8 @@
-"""The HTTP server: the OpenAI-compatible API (kiln/server/openai_api.py), REST sessions
-(kiln/server/rest.py), `GET /healthz`, `GET /metrics` and the OpenAPI document `GET /openapi.json`
-(kiln/server/openapi.py; authenticated like the API) and the dashboard `GET /dashboard`
-(kiln/server/dashboard.py), all over one RuntimeService.
+"""The HTTP server: the OpenAI-compatible API (kiln/server/openai_api.py, the Responses API in
+kiln/server/responses_api.py), REST sessions
+(kiln/server/rest.py), `GET /healthz` (also `/health`), `GET /metrics` and the OpenAPI document
+`GET /openapi.json` (kiln/server/openapi.py; authenticated like the API) and the dashboard
+`GET /dashboard` (kiln/server/dashboard.py), all over one RuntimeService.
 
 Layers, outermost first: request metrics and the access log (every request, errors included, counted
 by route template and Kiln status name; kiln/server/access_log.py), the Host and Origin checks and CORS
@@ -31,9 +32,11 @@ from kiln.server.http_guard import HttpGuard
 from kiln.server.metrics import CONTENT_TYPE, Metrics
 from kiln.server.openai_api import OpenAIRoutes
 from kiln.server.openapi import openapi_document
+from kiln.server.responses_api import ResponsesRoutes
 from kiln.server.rest import SessionRoutes
 from kiln.server.service import MAX_REQUEST_BYTES, RuntimeService
 
+HEALTH_PATHS = ("/healthz", "/health")  # /health: where clients of vLLM and llama-server look
 UNMATCHED_ROUTE = "http/unmatched"  # one label for every unknown path keeps the metric's cardinality bounded
 
 
@@ -44,8 +47,10 @@ def build_http_app(service: RuntimeService, keys: ApiKeys, metrics: Metrics,
                   generate_unique_id_function=lambda route: route.name)  # operation ids: the handlers' names
     app.openapi = functools.partial(openapi_document, app)  # type: ignore[method-assign]
     install_error_handlers(app)
-    dashboard = DashboardRoutes(keys, DashboardState(service.llm, service.health))
-    routers = [OpenAIRoutes(service, chat_format).router(), SessionRoutes(service).router(), _operations(service, metrics),
+    openai = OpenAIRoutes(service, chat_format)
+    responses = ResponsesRoutes(openai, service.responses)
+    dashboard = DashboardRoutes(keys, DashboardState(service.llm, service.health, responses.book.survey))
+    routers = [openai.router(), responses.router(), SessionRoutes(service).router(), _operations(service, metrics),
                dashboard.router()]
     for router in routers:
         app.include_router(router)
@@ -61,12 +66,14 @@ def build_http_app(service: RuntimeService, keys: ApiKeys, metrics: Metrics,
 def _operations(service: RuntimeService, metrics: Metrics) -> APIRouter:
     router = APIRouter()
 
-    @router.api_route("/healthz", methods=["GET", "HEAD"])  # HEAD: probes that read only the status
     async def healthz() -> JSONResponse:
         """200 while serving; 503 once shutdown began (load balancers drain the instance) or the engine
         failed (the process is about to exit). service.health() takes no lock: it runs on the loop."""
         health = service.health()
         return JSONResponse(health, status_code=200 if health["status"] == "serving" else 503)
+
+    for path in HEALTH_PATHS:  # HEAD: probes that read only the status
+        router.add_api_route(path, healthz, methods=["GET", "HEAD"], name=path.removeprefix("/"))
 
     @router.get("/metrics")
     async def prometheus() -> Response:

@@ -3,9 +3,10 @@
 It runs as ASGI middleware rather than a route dependency so that an unauthenticated caller learns
 nothing else (not whether the body parses, not whether a route exists): with keys configured, every
 request but the open paths needs `Authorization: Bearer <key>`, else 401 (with Retry-After when the
-client's address is throttled after repeated failures, kiln/server/auth_failures.py). `/healthz` is open for load
-balancers; `/metrics` is open for Prometheus scrapers, since it holds only aggregate counters (no
-session ids, tokens or keys); restrict it at the network level if even those are private. The
+client's address is throttled after repeated failures, kiln/server/auth_failures.py). `/healthz` (and its
+twin `/health`) is open for load balancers; `/metrics` is open for Prometheus scrapers, since it holds
+only aggregate counters (no session ids, tokens or keys); restrict it at the network level if even those
+are private. The
 dashboard's page, script and style (kiln/server/dashboard.py) are open: static files holding no data,
 the page must load to ask for a key; its data (`/dashboard/state.json`) is not.
 """
@@ -22,7 +23,7 @@ from kiln.errors import UnauthenticatedError
 from kiln.server.auth import ApiKeys
 from kiln.server.http_errors import error_response
 
-OPEN_PATHS = frozenset({"/healthz", "/metrics", "/dashboard", "/dashboard/app.js", "/dashboard/style.css"})
+OPEN_PATHS = frozenset({"/healthz", "/health", "/metrics", "/dashboard", "/dashboard/app.js", "/dashboard/style.css"})
 _OWNER = "kiln.owner"  # ASGI scope key holding the caller's identity
 
 

@@ -16,8 +16,8 @@ A server on 127.0.0.1 without keys is reachable from every page the user's brows
   with 403.
 With `--cors-origin` the named origins (and only they) get CORS answers, so their pages can call the
 API; without it no response carries any Access-Control-* header. Refusals never echo the Host or
-Origin they refused. `/healthz` is exempt from both checks: load balancers probe it by IP address, and
-it tells no more than whether the server is up; `/metrics` is not exempt.
+Origin they refused. `/healthz` and `/health` are exempt from both checks: load balancers probe them by IP
+address, and they tell no more than whether the server is up; `/metrics` is not exempt.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ from kiln.server.http_errors import envelope
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 ANY_HOST = "*"
-OPEN_PATHS = frozenset({"/healthz"})
+OPEN_PATHS = frozenset({"/healthz", "/health"})
 CORS_METHODS = ("GET", "POST", "DELETE")
 CORS_HEADERS = ("authorization", "content-type", "x-request-id")
+CORS_EXPOSED = ("x-request-id", "kiln-ignored-fields")  # the second: kiln/server/http_models.py IGNORED_FIELDS_HEADER
 CORS_MAX_AGE_S = 600
 _NAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*")
 _PORT = re.compile(r"[0-9]{1,5}")
@@ -148,7 +149,7 @@ class HttpGuard:
         must run after the checks (authentication) and before what must see every request (metrics)."""
         if self.cors_origins:
             app.add_middleware(CORSMiddleware, allow_origins=list(self.cors_origins), allow_methods=list(CORS_METHODS),
-                               allow_headers=list(CORS_HEADERS), expose_headers=["x-request-id"],
+                               allow_headers=list(CORS_HEADERS), expose_headers=list(CORS_EXPOSED),
                                allow_credentials=False, max_age=CORS_MAX_AGE_S)
         app.add_middleware(HttpGuardMiddleware, guard=self)
 

@@ -1,12 +1,29 @@
 """Request bodies of the HTTP API, as pydantic models.
 
-Every body is strict (no string-to-number coercion) and forbids unknown fields, so a typo or an
-unsupported OpenAI feature is a clear 400 naming the field, never silently ignored. OpenAI fields that
-real clients send are accepted when Kiln honours them; fields that only describe the caller (`user`,
-`store`, `metadata`, `service_tier`) are accepted and ignored. Range checks of sampling values live in
-RuntimeService/SamplingParams, the one place every transport shares (except OpenAI's narrower
-temperature range, checked on its bodies); the OpenAPI document (kiln/server/openapi.py) states the same ranges as
-`json_schema_extra`, documentation only, so a generated client knows them.
+Every body is strict (no string-to-number coercion). Kiln's own bodies (REST sessions, tokenize) forbid
+unknown fields, so a typo is a clear 400 naming the field. OpenAI's bodies (/v1/completions,
+/v1/chat/completions and the objects in them) follow what OpenAI clients assume instead, as vLLM and
+llama-server do: OpenAI adds request fields often, clients send them as soon as it does
+(`reasoning_effort`), and a server that refuses them breaks those clients. In an OpenAI body:
+- a field Kiln honours is checked, and a bad value is a 400 naming it. Range checks of sampling values
+  live in RuntimeService/SamplingParams, the one place every transport shares (except OpenAI's narrower
+  temperature range, checked here); the OpenAPI document (kiln/server/openapi.py) states the same ranges
+  as `json_schema_extra`, documentation only, so a generated client knows them;
+- null means the field is left out (OpenAI's types make most fields nullable);
+- any other field is ignored, listed in the response's `Kiln-Ignored-Fields` header (sorted, dotted
+  paths: `reasoning_effort, stream_options.include_obfuscation`) and logged once per process. Among
+  OpenAI's own: what describes the caller or a service around the generation, not its text (`user`,
+  `store`, `metadata`, `service_tier`, `safety_identifier`, `prompt_cache_key`, `prompt_cache_options`,
+  `prompt_cache_retention`, `moderation`, `web_search_options`), hints Kiln does not take
+  (`reasoning_effort`, `verbosity`, `prediction`) and `audio` (a voice, for audio Kiln never writes).
+  Their names go into a header and the log, so each must be plain (IGNORABLE_NAME) and a body may have
+  at most MAX_IGNORED_FIELDS;
+- a field is refused, naming it, where ignoring it would hand back something other than what the client
+  reads: `functions` / `function_call` (OpenAI's deprecated tools: the client waits for a
+  `function_call`), `modalities` with "audio", `best_of` over `n` (ranking extra candidates away) and a
+  non-empty `suffix` (a completion written to lead into it).
+Chat messages are the conversation itself, not options: kiln/chat.py takes every field OpenAI's message
+types define and refuses any other, so no part of a conversation is dropped unseen.
 
 A large body (LARGE_BODY_BYTES and up, to the server's 4 MiB limit) is parsed on a worker thread by
 `JsonBodyRoute`, not on the event loop every stream and probe shares. Parsing builds a Python object per
@@ -18,6 +35,8 @@ bodies are parsed one at a time, so four 4 MiB bodies cost the loop short waits,
 from __future__ import annotations
 
 import json
+import logging
+import re
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, Literal
@@ -58,6 +77,10 @@ MAX_PROMPTS = 32  # prompts in one /v1/completions request
 MAX_CHOICES = 16  # `n`: choices per prompt
 MAX_OPENAI_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; Kiln's own APIs allow up to 100
 OPENAI_PENALTY = {"minimum": -MAX_OPENAI_PENALTY, "maximum": MAX_OPENAI_PENALTY}
+IGNORED_FIELDS_HEADER = "Kiln-Ignored-Fields"
+IGNORABLE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # what an ignored field may be named
+MAX_IGNORED_FIELDS = 64  # ignored fields in one OpenAI body, nested ones included
+MAX_LOGGED_NAMES = 1024  # ignored names logged per process; later new names are listed in the header only
 
 TokenIds = Annotated[list[int], WithJsonSchema({"type": "array", "items": {"type": "integer", "minimum": 0}})]
 NUMBER_IDS = {"propertyNames": {"pattern": "^[0-9]+$"}}  # an object keyed by token ids
@@ -65,11 +88,55 @@ STOP_STRINGS = {"maxItems": MAX_STOP_STRINGS, "minLength": 1, "maxLength": MAX_S
                 "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH}}
 MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"enum": list(OPENAI_ROLES)}, "content": {"type": ["string", "array", "null"]}, "name": {"type": "string"},
-    "tool_calls": {"type": "array"}, "tool_call_id": {"type": "string"}}}
+    "tool_calls": {"type": "array"}, "tool_call_id": {"type": "string"}, "refusal": {"type": ["string", "null"]},
+    "annotations": {"type": ["array", "null"]}, "reasoning_content": {"type": ["string", "null"]}}}
+DEPRECATED_TOOLS = {"not": {}, "description": "refused: OpenAI's deprecated form of tools; send tools and tool_choice"}
+
+logger = logging.getLogger(__name__)
+_logged_names: set[str] = set()  # the ignored fields' names logged so far
 
 
 class Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+def _open_schema(schema: dict[str, Any]) -> None:
+    """OpenAIObject's rule in its JSON schema: more fields of plain names, and null for any optional one."""
+    schema["propertyNames"] = {"pattern": IGNORABLE_NAME.pattern}
+    required = set(schema.get("required", ()))
+    for name, field in schema.get("properties", {}).items():
+        if name not in required and {"type": "null"} not in field.get("anyOf", ()):
+            schema["properties"][name] = {"anyOf": [field, {"type": "null"}]}
+
+
+class OpenAIObject(Body):
+    """An object of OpenAI's API: null is a field left out, and an undeclared field is kept aside to be
+    reported as ignored (the module docstring says why)."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=_open_schema)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _open_fields(cls, data: object) -> object:
+        """Nulls left out; any name not declared must be plain (every declared one is)."""
+        if not isinstance(data, dict):
+            return data
+        odd = next((name for name in data if not IGNORABLE_NAME.fullmatch(name)), None)
+        if odd is not None:
+            raise ValueError(f"unknown field {odd[:80]!r}: Kiln ignores unknown fields, but only those named with "
+                             "up to 64 letters, digits, '_' or '-'")
+        return {name: value for name, value in data.items() if value is not None}
+
+    def ignored_fields(self, prefix: str = "") -> list[str]:
+        """The dotted paths of the fields this object and those in it ignore, sorted (a list's items
+        share a path: `tools.function.x`)."""
+        names = {prefix + name for name in self.model_extra or {}}
+        for name, field in type(self).model_fields.items():
+            value = getattr(self, name)
+            for item in value if isinstance(value, list) else [value]:
+                if isinstance(item, OpenAIObject):
+                    names.update(item.ignored_fields(f"{prefix}{field.alias or name}."))
+        return sorted(names)
 
 
 class GenerateBody(Body):
@@ -148,26 +215,26 @@ class GenerateBody(Body):
         return ()
 
 
-class StreamOptions(Body):
+class StreamOptions(OpenAIObject):
     include_usage: bool = False
 
 
-class TextFormat(Body):
+class TextFormat(OpenAIObject):
     type: Literal["text"]
 
 
-class JsonObjectFormat(Body):
+class JsonObjectFormat(OpenAIObject):
     type: Literal["json_object"]
 
 
-class JsonSchemaSpec(Body):
+class JsonSchemaSpec(OpenAIObject):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     schema_: dict[str, Any] | bool = Field(alias="schema")
     strict: bool | None = None  # Kiln always enforces the schema
 
 
-class JsonSchemaFormat(Body):
+class JsonSchemaFormat(OpenAIObject):
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
 
@@ -175,10 +242,23 @@ class JsonSchemaFormat(Body):
 ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
 
-class OpenAIBody(GenerateBody):
-    """What /v1/completions and /v1/chat/completions share."""
+class OpenAIRequest(OpenAIObject):
+    """What every OpenAI request body has: the model, and at most MAX_IGNORED_FIELDS fields ignored."""
 
     model: str | None = None  # None = the served model; another name is NOT_FOUND
+
+    @model_validator(mode="after")
+    def _few_ignored_fields(self) -> OpenAIRequest:
+        ignored = self.ignored_fields()
+        if len(ignored) > MAX_IGNORED_FIELDS:
+            raise ValueError(f"at most {MAX_IGNORED_FIELDS} fields Kiln ignores per request, got {len(ignored)}: "
+                             f"{', '.join(ignored[:3])}, ...")
+        return self
+
+
+class OpenAIBody(GenerateBody, OpenAIRequest):
+    """What /v1/completions and /v1/chat/completions share."""
+
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, json_schema_extra={"minimum": 0, "maximum": MAX_OPENAI_TEMPERATURE})
@@ -186,11 +266,6 @@ class OpenAIBody(GenerateBody):
         **NUMBER_IDS, "maxProperties": MAX_LOGIT_BIAS_ENTRIES,
         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})
     response_format: ResponseFormat | None = None
-    # describe the caller, not the generation: accepted and ignored
-    user: str | None = None
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -238,10 +313,24 @@ class OpenAIBody(GenerateBody):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def ignored_fields_header(body: OpenAIRequest) -> dict[str, str]:
+    """The Kiln-Ignored-Fields header of the response to `body` (none when it ignores nothing). Each name
+    is logged the first time a body ignores it, for the first MAX_LOGGED_NAMES names."""
+    ignored = body.ignored_fields()
+    for name in ignored:
+        if name not in _logged_names and len(_logged_names) < MAX_LOGGED_NAMES:
+            _logged_names.add(name)
+            logger.warning("ignoring the request field %r, which Kiln does not take (logged once; each response "
+                           "lists the fields it ignored in %s)", name, IGNORED_FIELDS_HEADER)
+    return {IGNORED_FIELDS_HEADER: ", ".join(ignored)} if ignored else {}
+
+
 class CompletionBody(OpenAIBody):
     prompt: str | TokenIds | list[str] | list[TokenIds]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the chosen token's, plus this many alternatives
     echo: bool = False  # the reply starts with the prompt
+    best_of: int | None = None  # at most n: Kiln returns every choice it generates, it ranks none away
+    suffix: str | None = None  # only empty: Kiln does not write a completion to lead into a suffix
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -263,6 +352,21 @@ class CompletionBody(OpenAIBody):
                              "leave out logprobs or echo")
         return echo
 
+    @field_validator("best_of")
+    @classmethod
+    def _no_ranking(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        if best_of is not None and best_of > info.data.get("n", 1):
+            raise ValueError(f"best_of {best_of} > n asks to rank extra candidates away, which Kiln does not do: "
+                             "leave it out or ask for n choices")
+        return best_of
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("Kiln does not write a completion to lead into a suffix (fill-in-the-middle): leave it out")
+        return suffix
+
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
@@ -278,23 +382,23 @@ class CompletionBody(OpenAIBody):
         return list(prompt) if many else [prompt]
 
 
-class FunctionSpec(Body):
+class FunctionSpec(OpenAIObject):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # JSON schema of the arguments; None: no arguments
     strict: bool | None = None  # Kiln always enforces the schema
 
 
-class ToolSpec(Body):
+class ToolSpec(OpenAIObject):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class FunctionName(Body):
+class FunctionName(OpenAIObject):
     name: str
 
 
-class NamedToolChoice(Body):
+class NamedToolChoice(OpenAIObject):
     type: Literal["function"]
     function: FunctionName
 
@@ -309,6 +413,10 @@ class ChatBody(OpenAIBody):
     parallel_tool_calls: bool | None = None
     # extra variables for the model's chat template, e.g. {"enable_thinking": false} (as vLLM accepts them)
     chat_template_kwargs: dict[str, Any] | None = None
+    modalities: list[Literal["text"]] | None = None  # Kiln writes text only
+    # OpenAI's deprecated form of tools: refused, since a client that sends them waits for a `function_call`
+    functions: Annotated[Any, WithJsonSchema(DEPRECATED_TOOLS)] = None
+    function_call: Annotated[Any, WithJsonSchema(DEPRECATED_TOOLS)] = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -325,6 +433,20 @@ class ChatBody(OpenAIBody):
             return handler(choice)
         except ValidationError:
             raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}') from None
+
+    @field_validator("modalities", mode="wrap")
+    @classmethod
+    def _text_only(cls, modalities: object, handler: ValidatorFunctionWrapHandler) -> list[str] | None:
+        try:
+            return handler(modalities)
+        except ValidationError:
+            raise ValueError('Kiln writes text only: modalities may only be ["text"]') from None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _deprecated_tools(cls, value: object) -> object:
+        """Runs only for a value sent (null is left out)."""
+        raise ValueError("OpenAI's deprecated form of tools, which Kiln does not take: send tools and tool_choice")
 
     @property
     def wants_logprobs(self) -> bool:

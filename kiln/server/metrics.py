@@ -9,9 +9,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kiln.engine.sequence import Request
+from kiln.engine.stats import EngineStats
 from kiln.llm import LLM
 from kiln.server.auth_failures import AuthFailures
 from kiln.snapshots.persistence import SnapshotStats
+from kiln.snapshots.prefix_store import PrefixStoreStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
@@ -92,6 +94,7 @@ class _EngineState(Collector):
                                 violations, ("inv1", "inv2"))
         yield CounterMetricFamily("kiln_kv_tier_failed_disk_writes", "Evicted pages the disk tier could not take "
                                   "(a full or failing disk): they stayed in host memory or resident", value=tiers.failed_disk_writes)
+        yield from _prefix_store_metrics(self.llm, stats)
         persistence = self.llm.persistence  # zeros when persistence is off: every series always exists
         yield from _snapshot_counters(persistence.stats if persistence is not None else SnapshotStats())
         yield GaugeMetricFamily("kiln_snapshot_backlog_seconds", "Age of the oldest session change not yet saved: a crash "
@@ -113,6 +116,31 @@ class _AuthFailures(Collector):
                                   value=self.failures.failures_total)
         yield CounterMetricFamily("kiln_auth_throttled", "Requests refused unread: their address failed to "
                                   "authenticate too often", value=self.failures.throttled_total)
+
+
+def _prefix_store_metrics(llm: LLM, counts: EngineStats):  # noqa: ANN202 - metric families
+    """The persistent prefix store (zeros when it is off: every series always exists)."""
+    store = llm.prefix_store
+    stats = store.stats if store is not None else PrefixStoreStats()
+    yield CounterMetricFamily("kiln_prefix_store_restored_tokens", "Prompt tokens whose pages were fetched from the "
+                              "persistent prefix store instead of recomputed (counted in kiln_reused_tokens too)",
+                              value=counts.restored_tokens)
+    yield _labelled_counter("kiln_prefix_store_fetches", "Fetches from the persistent prefix store by outcome: started, "
+                            "then restored, unused (computed past, or no room) or failed; late: the request stopped "
+                            "waiting and recomputed", "outcome", counts.prefix_fetches,
+                            ("started", "restored", "unused", "failed", "late"))
+    yield GaugeMetricFamily("kiln_prefix_store_pages", "KV pages the persistent prefix store holds",
+                            value=store.stored_pages if store is not None else 0)
+    yield GaugeMetricFamily("kiln_prefix_store_bytes", "Stored bytes of those pages (--prefix-store-mb bounds them)",
+                            value=store.stored_bytes if store is not None else 0)
+    for name, doc in (("pages_written", "Pages written behind to the persistent prefix store"),
+                      ("bytes_written", "Blob bytes new to the snapshot store those writes added"),
+                      ("write_failures", "Pages lost to failed writes (the store unreachable or full; generation goes on)"),
+                      ("dropped_pages", "Pages offered while the write-behind queue was full, never written"),
+                      ("evicted_pages", "Pages dropped from the persistent prefix store for its budget (LRU)"),
+                      ("fetched_pages", "Pages fetched from the persistent prefix store and verified"),
+                      ("failed_pages", "Pages whose blob was missing or corrupt on fetch (recomputed; record dropped)")):
+        yield CounterMetricFamily(f"kiln_prefix_store_{name}", doc, value=getattr(stats, name))
 
 
 def _snapshot_counters(stats: SnapshotStats):  # noqa: ANN202 - metric families

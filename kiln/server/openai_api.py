@@ -1,12 +1,19 @@
 """The OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /v1/models/{id}.
 
-Every request is stateless (`RuntimeService.complete_choices`): it shares cached KV pages with any
-earlier request of the same prefix, so a chat client that resends the conversation each turn recomputes
-only from the first page that differs. `usage.prompt_tokens_details.cached_tokens` says how many prompt
-tokens came from that cache. Unset sampling options take the server's defaults (greedy decoding,
-RuntimeService.DEFAULT_MAX_TOKENS, or the chat format's), not OpenAI's. Chat is written in the server's
-chat format (kiln/chat.py, `--chat-format`): a base model's transcript adds its stop rule to every reply. `model` may name the served model or one of its
-aliases, be "kiln", or be left out; any other name is 404 `model_not_found`.
+A request is stateless (`RuntimeService.complete_choices`): it shares cached KV pages with any earlier
+request of the same prefix, so a chat client that resends the conversation each turn recomputes only from
+the first page that differs. With a `Kiln-Session: NAME` header it is a turn of the caller's session of
+that name instead (kiln/server/chat_sessions.py), which keeps its history across restarts and prefills
+only what the session lacks. `usage.prompt_tokens_details.cached_tokens` says how many prompt tokens were
+not computed again. A sampling option a request leaves out takes the model's
+generation_config.json value (kiln/models/generation_config.py, as vLLM does), else OpenAI's default for
+`temperature` and `top_p` (1.0: an OpenAI client that omits them samples, as it would at OpenAI), else the
+server's (the rest off; max_tokens RuntimeService.DEFAULT_MAX_TOKENS, or the chat format's). Kiln's own
+APIs (REST sessions, gRPC, the SDKs) keep greedy decoding as their default. Fields Kiln does not take are
+ignored and listed in the `Kiln-Ignored-Fields` response header (kiln/server/http_models.py says which
+are refused instead). Chat is written in the server's chat format (kiln/chat.py, `--chat-format`): a
+base model's transcript adds its stop rule to every reply. `model` may name the served model or one of
+its aliases, be "kiln", or be left out; any other name is 404 `model_not_found`.
 
 Beyond plain text:
 - `n` choices of a prompt compute it once (forks of the first choice's sequence); with a seed, choice
@@ -35,108 +42,41 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from kiln.chat import TEMPLATE, ChatFormat, chat_format, from_openai_messages, knows_tools, prompt_for_chat
-from kiln.engine.constraints import ANY_OBJECT, Constraint, as_generated
-from kiln.engine.sampler import MAX_STOP_STRINGS
+from kiln.chat import from_openai_messages
 from kiln.engine.stream import AsyncGenerationStream
 from kiln.errors import InvalidArgumentError
-from kiln.reasoning import ReasoningSplitter, opened_in, thinks, with_thought
 from kiln.results import GenerationResult, Usage
+from kiln.server import chat_sessions
+from kiln.server.chat_plan import ChatPlanner, ChatRequest, ChoiceText, Plan, checked, function_tools
+from kiln.server.chat_sessions import NamedSessions, Turn, check_name
 from kiln.server.generation import Delta, SseResponse, deltas, start_all, unless_disconnected
 from kiln.server.http_auth import caller, connection
 from kiln.server.http_errors import ModelNotFoundError
-from kiln.server.http_models import ChatBody, CompletionBody, JsonBodyRoute, NamedToolChoice, OpenAIBody
-from kiln.server.service import RuntimeService, naming
-from kiln.tokenizer import Tokenizer
-from kiln.tool_syntax import KILN, ToolSyntax, markup_decoder, syntax_for
-from kiln.tools import (
-    ArgumentsDelta,
-    CallStart,
-    ContentDelta,
-    Tool,
-    ToolCallParser,
-    ToolChoice,
-    check_names,
-    grammar,
-    json_rule,
+from kiln.server.http_models import (
+    ChatBody,
+    CompletionBody,
+    JsonBodyRoute,
+    NamedToolChoice,
+    OpenAIBody,
+    ignored_fields_header,
 )
+from kiln.server.service import GenerateRequest, RuntimeService, submitted
+from kiln.tokenizer import Tokenizer
 
 MODEL_ALIAS = "kiln"  # also names the served model, for clients configured once for any Kiln server
+MASKED_LOGPROB = -9999.0  # what OpenAI and vLLM report for a token that could not be drawn
 TopLogprobs = tuple[tuple[int, float], ...]
 Alternatives = list[tuple[str, float]]  # a position's likeliest tokens as text, with their logprobs
-
-
-@dataclass
-class _ChoiceText:
-    """One choice's text as the API shows it: `push` turns text that became final into pieces (a
-    completion's text; a chat delta with content or tool calls), `finish` flushes what was held back.
-    The same pieces build a streamed reply and a whole one."""
-
-    chat: bool
-    parser: ToolCallParser | None = None  # chat with callable tools
-    prefix: str = ""  # echo: the prompt, before the first piece
-    lead: str = ""  # what the chat format puts before every reply (a transcript's space): not content
-    reasoning: ReasoningSplitter | None = None  # a reasoning model's chat: its thinking is reasoning_content
-    syntax: ToolSyntax = KILN
-    call_ids: list[str] = field(default_factory=list)
-
-    def push(self, text: str) -> list[dict]:
-        if self.prefix:
-            text, self.prefix = self.prefix + text, ""
-        if self.reasoning is None:
-            return self._answer(text)
-        thinking, text = self.reasoning.push(text)
-        return ([{"reasoning_content": thinking}] if thinking else []) + self._answer(text)
-
-    def _answer(self, text: str) -> list[dict]:
-        if self.parser is None:
-            return [self._text(text)] if text else []
-        return [self._piece(delta) for delta in self.parser.push(text)]
-
-    def finish(self, reason: str) -> list[dict]:
-        """The pieces held back until the generation ended for `reason`."""
-        pieces = self.push("")
-        if self.reasoning is not None:
-            thinking, text = self.reasoning.finish()
-            pieces += ([{"reasoning_content": thinking}] if thinking else []) + self._answer(text)
-        return pieces + ([self._piece(delta) for delta in self.parser.finish(reason == "stop")] if self.parser else [])
-
-    def ended(self) -> bool:
-        """The reply is over before the generation is: the model repeated a tool call."""
-        return self.parser is not None and self.parser.repeated
-
-    def finish_reason(self, reason: str) -> str:
-        """A reply of whole calls ends with "tool_calls", even when max_tokens cut the generation while
-        it was repeating one (held back, never shown) or had not yet started another."""
-        complete = reason == "stop" or (reason == "length" and self.parser is not None and self.parser.calls_complete)
-        return "tool_calls" if complete and self.call_ids else reason
-
-    def _text(self, text: str) -> dict:
-        if not self.chat:
-            return {"text": text}
-        text, self.lead = text.removeprefix(self.lead), ""
-        return {"content": text}
-
-    def _piece(self, delta: ContentDelta | CallStart | ArgumentsDelta) -> dict:
-        if isinstance(delta, ContentDelta):
-            return self._text(delta.text)
-        if isinstance(delta, CallStart):
-            self.call_ids.append(self.syntax.call_id())
-            call = {"index": delta.index, "id": self.call_ids[-1], "type": "function",
-                    "function": {"name": delta.name, "arguments": ""}}
-        else:
-            call = {"index": delta.index, "function": {"arguments": delta.text}}
-        return {"tool_calls": [call]}
 
 
 def _merged(pieces: Sequence[dict], chat: bool) -> dict:
@@ -205,25 +145,16 @@ class _ChatShape(_Shape):
                             for token, value, tops in zip(tokens, values, alternatives, strict=True)]}
 
 
+def _finite(logprob: float | None) -> float | None:
+    """A token the grammar or logit_bias ruled out has logprob -inf, which JSON cannot carry."""
+    return MASKED_LOGPROB if logprob == -math.inf else logprob
+
+
 def _entry(token: str, value: float | None) -> dict:
     return {"token": token, "logprob": value, "bytes": list(token.encode())}
 
 
 COMPLETION, CHAT = _Shape(), _ChatShape()
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What one OpenAI request generates: the prompts' token ids, n choices of each, the constraint the
-    text must match, and how its text reads back (tool calls, echo)."""
-
-    prompts: list[list[int]]
-    constraint: Constraint | None = None
-    calls: bool = False  # the reply may be tool calls
-    echoes: list[str] | None = None  # completions with echo: each prompt's text
-    form: ChatFormat = TEMPLATE  # chat: the format's stop strings, default reply limit and lead end every reply
-    reasoning: bool = False  # chat with a reasoning model: its thinking is reasoning_content
-    thinking_opened: bool = False  # the prompt opened the thinking: the reply starts inside it
 
 
 @dataclass(frozen=True)
@@ -240,7 +171,7 @@ class _Reply:
     """The generations of one OpenAI request, and the response that describes them."""
 
     shape: _Shape
-    plan: _Plan
+    plan: Plan
     tokenizer: Tokenizer
     response_id: str
     created: int
@@ -250,19 +181,11 @@ class _Reply:
     stop: tuple[str, ...]
     include_usage: bool
     logprobs: bool
+    planner: ChatPlanner
 
-    syntax: ToolSyntax = KILN
-
-    def text(self, index: int) -> _ChoiceText:
+    def text(self, index: int) -> ChoiceText:
         echo = self.plan.echoes[index // self.n] if self.plan.echoes else ""
-        lead = " " if self.plan.form.transcript else ""
-        reasoning = ReasoningSplitter(self.plan.thinking_opened) if self.plan.reasoning else None
-        parser = ToolCallParser(self.syntax) if self.plan.calls else None
-        return _ChoiceText(self.shape.chat, parser, echo, lead, reasoning, self.syntax)
-
-    def decode(self) -> Callable[[Sequence[int]], str]:
-        """Token ids to the reply's text, keeping the call syntax's control tokens when it may call tools."""
-        return markup_decoder(self.tokenizer, self.syntax) if self.plan.calls else self.tokenizer.decode
+        return self.planner.choice_text(self.plan, self.shape.chat, echo)
 
     def body(self, finished: Sequence[_Finished]) -> dict:
         choices = []
@@ -287,8 +210,8 @@ class _Reply:
         if not self.logprobs:
             return None
         tokens = [self.tokenizer.decode([token_id]) for token_id in token_ids]
-        alternatives = [[(self.tokenizer.decode([t]), v) for t, v in top] for top in tops] if tops else None
-        return self.shape.logprobs(tokens, list(values), alternatives, offset)
+        alternatives = [[(self.tokenizer.decode([t]), _finite(v)) for t, v in top] for top in tops] if tops else None
+        return self.shape.logprobs(tokens, [_finite(value) for value in values], alternatives, offset)
 
     def usage_json(self, usages: Sequence[Usage]) -> dict:
         """OpenAI's usage block: each prompt counts once, whatever its number of choices; cached_tokens
@@ -304,12 +227,8 @@ class OpenAIRoutes:
     def __init__(self, service: RuntimeService, chat_format_name: str = "auto") -> None:
         self.service = service
         self.created = int(time.time())
-        self.chat_format = chat_format(service.llm.tokenizer, chat_format_name)  # kiln/chat.py
-        self.tool_syntax = syntax_for(service.llm.tokenizer)  # kiln/tool_syntax.py
-        self.reasoning = not self.chat_format.transcript and thinks(service.llm.tokenizer.chat_template)
-        # parallel_tool_calls unset: several calls a reply only for a model trained to call tools; one that was
-        # not (told its tools in Kiln's text) repeats its call until max_tokens, so its reply ends after one
-        self.parallel_calls = not self.chat_format.transcript and knows_tools(service.llm.tokenizer)
+        self.planner = ChatPlanner(service.llm.tokenizer, chat_format_name, service.llm.loaded.generation_defaults)
+        self.named = NamedSessions(service, service.session_names)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -340,79 +259,84 @@ class OpenAIRoutes:
         return {"object": "list", "data": [self._model_json(name) for name in (self.service.model_name, *self.service.aliases)]}
 
     async def model(self, model_id: str) -> dict:
-        self._check_model(model_id)
+        self.check_model(model_id)
         return self._model_json(model_id)
 
     def _model_json(self, name: str) -> dict:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "kiln",
                 "max_model_len": self.service.llm.engine.max_model_len, **self.service.model_facts}
 
-    def _check_model(self, model: str | None) -> None:
+    def served_model(self, model: str | None) -> str:
+        """The name a reply gives the model: the alias the request used, else the served model's id."""
+        return model if model in self.service.aliases else self.service.model_name
+
+    def check_model(self, model: str | None) -> None:
+        """ModelNotFoundError unless `model` names the served model, one of its aliases or "kiln" (None: it)."""
         if model not in (None, MODEL_ALIAS, self.service.model_name, *self.service.aliases):
             raise ModelNotFoundError(f"the model {model!r} does not exist here; this server serves "
                                      f"{', '.join(repr(name) for name in (self.service.model_name, *self.service.aliases))}")
 
-    def _completion_plan(self, body: CompletionBody) -> _Plan:
+    def _completion_plan(self, body: CompletionBody) -> Plan:
         prompts = body.prompts()
         ids = [self.service.tokenize(p, True, "prompt") if isinstance(p, str) else p for p in prompts]  # with BOS
         echoes = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts] if body.echo else None
-        return _Plan(ids, _checked(body.format_constraint()), echoes=echoes)
+        sources = [(p, True) if isinstance(p, str) else (p, False) for p in prompts]
+        return Plan(ids, sources, checked(body.format_constraint()), echoes=echoes)
 
-    def _chat_plan(self, body: ChatBody) -> _Plan:
+    def _chat_plan(self, body: ChatBody) -> Plan:
         """Tools, tool_choice and response_format checked part by part (each error names its field),
         then the constraint the reply must match and the prompt with the callable tools rendered."""
-        tools = [Tool(spec.function.name, spec.function.description or "", None if spec.function.parameters is None
-                      else as_generated(spec.function.parameters, f"tools[{index}].function.parameters"))
-                 for index, spec in enumerate(body.tools or ())]
-        check_names(tools)
-        for index, tool in enumerate(tools):
-            _checked(Constraint.json_schema(tool.schema, f"tools[{index}].function.parameters"))
-        choice = _tool_choice(body, tools, self.parallel_calls)
-        plain = _checked(body.format_constraint())
-        rules = grammar(tools, choice, _schema_of(plain), self.tool_syntax, self.tokenizer) if tools else None
-        room = MAX_STOP_STRINGS - len(self.chat_format.stop)
-        if len(body.stop_strings) > room:
-            raise InvalidArgumentError(f"at most {room} stop strings: the {self.chat_format.name} chat format adds its "
-                                       f"own {len(self.chat_format.stop)}", "stop")
-        messages = from_openai_messages(body.messages)
-        with naming("messages"):  # text the tokenizer refuses (a lone surrogate) came from the messages
-            text, add_bos = prompt_for_chat(messages, self.tokenizer, tools if rules is not None else (), self.chat_format,
-                                            body.chat_template_kwargs)
-            prompt = self.tokenizer.encode(text, add_bos)
-        opened = self.reasoning and opened_in(text)
-        if self.reasoning and (rules is not None or plain is not None):  # it thinks first, then answers as constrained
-            rules = with_thought(rules or f"start: {json_rule(_schema_of(plain))}", opened)
-        constraint = plain if rules is None else Constraint.grammar(rules, "tools" if tools else "response_format")
-        return _Plan([prompt], constraint, calls=bool(tools) and choice.calls_allowed, form=self.chat_format,
-                     reasoning=self.reasoning, thinking_opened=opened)
+        tools = function_tools([spec.function for spec in body.tools or ()], "tools[{index}].function.parameters")
+        choice = body.tool_choice
+        named = isinstance(choice, NamedToolChoice)
+        return self.planner.plan(ChatRequest(
+            from_openai_messages(body.messages), tools, "function" if named else choice,
+            choice.function.name if named else None, body.parallel_tool_calls, body.format_constraint(),
+            body.stop_strings, body.chat_template_kwargs))
 
-    async def _reply(self, request: Request, body: OpenAIBody, shape: _Shape, plan_of: Callable[[], _Plan]) -> Response:
+    async def _reply(self, request: Request, body: OpenAIBody, shape: _Shape, plan_of: Callable[[], Plan]) -> Response:
         """`plan_of()` checks the request, renders and tokenizes the prompts on a worker thread (megabytes
         of text, a chat template, schemas to check): the event loop keeps serving everyone else. The
         generations' streams belong to the loop; their submission runs on worker threads too."""
-        self._check_model(body.model)
+        self.check_model(body.model)
         plan = await run_in_threadpool(plan_of)
-        # what the request leaves out, the model's generation_config.json may set (as vLLM does)
-        generate = self.service.llm.loaded.generation_defaults.fill(body.generate_request(plan.constraint))
-        stop = (*body.stop_strings, *plan.form.stop)  # a chat format's stop rule ends its replies
-        generate = replace(generate, stop=stop, max_tokens=plan.form.max_tokens if generate.max_tokens is None
-                           else generate.max_tokens)
+        generate = self.planner.sampling(body.generate_request(plan.constraint), plan, body.stop_strings)
+        name = request.headers.get(chat_sessions.HEADER)
+        headers = ignored_fields_header(body)
         try:
-            groups = await start_all([functools.partial(self.service.complete_choices, prompt, generate, body.n,
-                                                        caller(request), connection(request))
-                                      for prompt in plan.prompts])
+            if name is None:
+                groups = await start_all([functools.partial(self.service.complete_choices, prompt, generate, body.n,
+                                                            caller(request), connection(request))
+                                          for prompt in plan.prompts])
+                streams = [stream for group in groups for stream in group]
+            else:
+                turn, stream = await self._named_turn(request, check_name(name), body, plan, generate)
+                streams = [stream]
+                headers |= {chat_sessions.ID_HEADER: turn.session_id, chat_sessions.RECOMPUTED_HEADER: turn.reason}
         except InvalidArgumentError as error:  # the engine names its own fields; name the request's
             error.param = body.field_name(error.param)
             raise
-        streams = [stream for group in groups for stream in group]
         reply = _Reply(shape, plan, self.tokenizer, shape.id_prefix + secrets.token_hex(12), int(time.time()),
-                       body.model if body.model in self.service.aliases else self.service.model_name, streams, body.n,
-                       stop, body.include_usage,
-                       body.wants_logprobs, self.tool_syntax)
+                       self.served_model(body.model), streams, body.n,
+                       generate.stop, body.include_usage, body.wants_logprobs, self.planner)
         if body.stream:
-            return SseResponse(self._chunks(reply), streams)
-        finished = await unless_disconnected(request, self._whole_choices(reply), streams)
-        return JSONResponse(reply.body(finished))
+            response: Response = SseResponse(self._chunks(reply), streams)
+        else:
+            response = JSONResponse(reply.body(await unless_disconnected(request, self._whole_choices(reply), streams)))
+        response.headers.update(headers)
+        return response
+
+    async def _named_turn(self, request: Request, name: str, body: OpenAIBody, plan: Plan,
+                          generate: GenerateRequest) -> tuple[Turn, AsyncGenerationStream]:
+        """The request's generation in the caller's session of that name (kiln/server/chat_sessions.py):
+        one turn of a name at a time, its history brought to hold the prompt, then its generate queued."""
+        if body.n != 1 or len(plan.prompts) != 1:
+            raise InvalidArgumentError(f"a request with the {chat_sessions.HEADER.title()} header generates one "
+                                       "choice of one prompt", "n" if body.n != 1 else "prompt")
+        owner, (prompt, add_bos) = caller(request), plan.sources[0]
+        async with self.named.lock(owner, name):
+            turn = await submitted([], lambda: self.named.prepare(owner, name, prompt, add_bos), self.service.session_threads)
+            return turn, await self.service.generate(owner, turn.session_id, generate, connection(request))
 
     async def _whole_choices(self, reply: _Reply) -> list[_Finished]:
         """Every choice in turn, built from the same pieces its stream would send."""
@@ -420,7 +344,7 @@ class OpenAIRoutes:
         for index, stream in enumerate(reply.streams):
             text = reply.text(index)
             pieces: list[dict] = []
-            async for delta in deltas(stream, self.tokenizer, reply.stop, text.ended, reply.decode()):
+            async for delta in deltas(stream, self.tokenizer, reply.stop, text.ended, self.planner.decoder(reply.plan)):
                 pieces += text.push(delta.text)
                 if delta.result:
                     pieces += text.finish(delta.result.finish_reason)
@@ -448,7 +372,7 @@ class OpenAIRoutes:
         text = reply.text(index)
         pending: list[Delta] = []
         offset = 0
-        async for delta in deltas(stream, self.tokenizer, reply.stop, text.ended, reply.decode()):
+        async for delta in deltas(stream, self.tokenizer, reply.stop, text.ended, self.planner.decoder(reply.plan)):
             if delta.token_id is not None:
                 pending.append(delta)
             pieces = text.push(delta.text)
@@ -465,33 +389,3 @@ class OpenAIRoutes:
                 offset += len(piece.get("text", ""))
                 pending = []
 
-
-def _checked(constraint: Constraint | None) -> Constraint | None:
-    """The constraint, once it is known to compile (an error names its request field)."""
-    if constraint is not None:
-        constraint.check()
-    return constraint
-
-
-def _schema_of(constraint: Constraint | None) -> dict | None:
-    """The JSON schema a non-call reply must match (response_format), for the tool grammar."""
-    if constraint is None:
-        return None
-    return ANY_OBJECT if constraint.kind == "json_object" else json.loads(constraint.source)
-
-
-def _tool_choice(body: ChatBody, tools: list[Tool], parallel_default: bool) -> ToolChoice:
-    """tool_choice and parallel_tool_calls (unset: `parallel_default`) as a ToolChoice; naming a
-    function not in `tools`, or choosing tools when there are none, is refused."""
-    parallel = parallel_default if body.parallel_tool_calls is None else body.parallel_tool_calls
-    choice = body.tool_choice
-    if choice is None:
-        return ToolChoice("auto" if tools else "none", parallel=parallel)
-    if not tools and choice != "none":
-        raise InvalidArgumentError("tool_choice needs tools", "tool_choice")
-    if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in {tool.name for tool in tools}:
-            raise InvalidArgumentError(f"tool_choice names the function {choice.function.name!r}, which is not in "
-                                       "tools", "tool_choice")
-        return ToolChoice("function", choice.function.name, parallel)
-    return ToolChoice(choice, parallel=parallel)

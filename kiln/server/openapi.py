@@ -5,9 +5,9 @@ adds what FastAPI cannot know from handlers that return plain dicts: the schema 
 response (documentation only: handlers are not re-validated through them, which would cost a copy of
 every token list), the error envelope every failure leaves as (kiln/server/http_errors.py: 4XX, and
 503 while shutting down; no 422, since validation errors are 400), the bearer-key security scheme
-(open on `/healthz` and `/metrics`), operation ids named after the handlers, and OpenAPI links from
-the calls that create a session or a snapshot to the calls on it, so a stateful client (schemathesis)
-can chain create -> append -> generate -> fork -> snapshot -> restore -> close.
+(open on `/healthz`, `/health` and `/metrics`), operation ids named after the handlers, and OpenAPI
+links from the calls that create a session, a snapshot or a response to the calls on it, so a stateful
+client (schemathesis) can chain create -> append -> generate -> fork -> snapshot -> restore -> close.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter
 from kiln.results import SessionInfo, SnapshotInfo, Usage
 
 REF = "#/components/schemas/{model}"
-OPEN_OPERATIONS = frozenset({"healthz", "healthz_head", "prometheus"})  # kiln/server/http_auth.py OPEN_PATHS
+# kiln/server/http_auth.py OPEN_PATHS
+OPEN_OPERATIONS = frozenset({"healthz", "healthz_head", "health", "health_head", "prometheus"})
 SSE = "text/event-stream"
 SSE_EVENT = {"type": "object", "required": ["data"],  # each event: a JSON chunk as text, the last `[DONE]`
              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
@@ -156,6 +157,57 @@ class ChatCompletion(Response):
     usage: OpenAIUsage
 
 
+class ResponseUsage(Response):
+    input_tokens: int
+    input_tokens_details: dict[str, int]  # cached_tokens, cache_write_tokens
+    output_tokens: int
+    output_tokens_details: dict[str, int]  # reasoning_tokens
+    total_tokens: int
+
+
+class ResponseObject(Response):
+    """A response of the Responses API (kiln/server/responses_api.py); `output` holds message,
+    function_call and reasoning items as OpenAI's API writes them."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete"]
+    background: bool
+    error: None
+    incomplete_details: dict[str, str] | None
+    instructions: str | None
+    max_output_tokens: int | None
+    model: str
+    output: list[dict[str, Any]]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    reasoning: dict[str, Any]
+    store: bool
+    temperature: float | None
+    top_p: float | None
+    text: dict[str, Any]
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    truncation: Literal["disabled"]
+    usage: ResponseUsage | None
+    metadata: dict[str, str]
+
+
+class ResponseDeleted(Response):
+    id: str
+    object: Literal["response"]
+    deleted: bool
+
+
+class InputItemList(Response):
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+
+
 class Health(Response):
     status: Literal["serving", "shutting_down", "engine_failed"]
     model: str
@@ -169,7 +221,9 @@ class Health(Response):
 
 SESSION_ID = {"session_id": "$response.body#/session_id"}
 SNAPSHOT_ID = {"snapshot_id": "$response.body#/snapshot_id"}
+RESPONSE_ID = {"response_id": "$response.body#/id"}
 SESSION_CALLS = ("info", "close", "history", "append", "generate", "fork", "snapshot")
+RESPONSE_CALLS = ("get_response", "delete_response", "list_input_items")
 SNAPSHOT_CALLS = ("snapshot_info", "delete_snapshot", "restore")
 
 # operation id (the handler's name) -> its success body
@@ -179,19 +233,23 @@ RESPONSES: dict[str, type] = {
     "history": History, "append": SessionInfo, "generate": SessionGenerateResult, "fork": SessionInfo,
     "snapshot": SnapshotInfo, "list_snapshots": SnapshotList, "snapshot_info": SnapshotInfo,
     "delete_snapshot": SnapshotDeleted, "restore": SessionInfo, "tokenize": Tokens, "detokenize": Text,
-    "healthz": Health, "healthz_head": Health,
+    "healthz": Health, "healthz_head": Health, "health": Health, "health_head": Health,
+    "create_response": ResponseObject, "get_response": ResponseObject, "delete_response": ResponseDeleted,
+    "list_input_items": InputItemList,
 }
-STREAMED = frozenset({"completions", "chat_completions", "generate"})  # with stream=true: server-sent events
+# with stream=true: server-sent events
+STREAMED = frozenset({"completions", "chat_completions", "generate", "create_response"})
 LINKS: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {  # operation -> (parameters, operations it links to)
     "create": (SESSION_ID, SESSION_CALLS), "fork": (SESSION_ID, SESSION_CALLS),
     "restore": (SESSION_ID, SESSION_CALLS), "snapshot": (SNAPSHOT_ID, SNAPSHOT_CALLS),
+    "create_response": (RESPONSE_ID, RESPONSE_CALLS),
 }
 
 
 def openapi_document(app: FastAPI) -> dict[str, Any]:
     """The document (built once, then cached on the app as FastAPI does)."""
     if app.openapi_schema is None:
-        with warnings.catch_warnings():  # GET and HEAD /healthz share a handler: _describe tells them apart
+        with warnings.catch_warnings():  # GET and HEAD of a path share a handler: _describe tells them apart
             warnings.filterwarnings("ignore", "Duplicate Operation ID")
             document = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = document.setdefault("components", {}).setdefault("schemas", {})

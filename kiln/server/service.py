@@ -23,14 +23,16 @@ from kiln.llm import LLM
 from kiln.models.facts import model_facts
 from kiln.results import SessionInfo, SnapshotInfo
 from kiln.server import access_log
+from kiln.server.chat_sessions import Bindings
 from kiln.server.quotas import MeteredStream, Quotas
+from kiln.server.stored_responses import ResponseBook
 
 T = TypeVar("T")
 
 MAX_REQUEST_BYTES = 4 << 20  # largest request body on both transports: gRPC's own default receive limit
-# Threads that submit session generates, which may wait for their session's turn: their own pool, so
-# waiting generates never hold the threads every other call runs on. More wait for a thread, their
-# deadlines running.
+# Threads that submit session generates, or prepare a named session's turn, which may wait for their
+# session's turn: their own pool, so waiting calls never hold the threads every other call runs on. More
+# wait for a thread, their deadlines running.
 SESSION_GENERATE_THREADS = 64
 
 
@@ -78,7 +80,11 @@ class RuntimeService:
         self.model_name = model_name
         self.aliases = tuple(alias for alias in aliases if alias != model_name)
         self.accepting = True
-        self._session_generates = ThreadPoolExecutor(SESSION_GENERATE_THREADS, thread_name_prefix="kiln-session-generate")
+        persistence = llm.persistence
+        store = persistence.store if persistence is not None else None
+        self.session_names = Bindings(store)  # named sessions of the OpenAI API
+        self.responses = ResponseBook(store)  # the Responses API's stored responses
+        self.session_threads = ThreadPoolExecutor(SESSION_GENERATE_THREADS, thread_name_prefix="kiln-session-generate")
 
     @property
     def sessions(self):  # noqa: ANN201 - the SessionStore
@@ -160,7 +166,7 @@ class RuntimeService:
         caller = caller_of(owner, connection)
         await submitted([stream], lambda: self.sessions.generate(
             session_id, params, owner, stream, caller, deadline=deadline,
-            admit=lambda start: self.quotas.admitted(owner, [stream], start, session=True)), self._session_generates)
+            admit=lambda start: self.quotas.admitted(owner, [stream], start, session=True)), self.session_threads)
         return stream
 
     def fork(self, owner: str | None, session_id: str, at: int | None = None) -> SessionInfo:

@@ -9,6 +9,9 @@
     ROOT/leases/<name>.json        a lease: holder, fencing token, holder process (host, pid), expiry (wall-clock seconds)
     ROOT/leases/tokens             the last fencing token granted (one counter for every name)
     ROOT/leases/lock               flock: lease changes hold it exclusive, fenced writes and reads shared
+    ROOT/prefix/<space>.idx        the prefix store's records of one prefix space (kiln/snapshots/prefix_file.py)
+    ROOT/prefix/lock               flock: changes to the prefix records hold it exclusive, reads shared
+    ROOT/records/<kind>/<key>.json a keyed record (store.record_key of owner and key)
 
 Crash safety: every file is written to tmp/, then renamed into place (rename is atomic). A save writes
 the blobs the store lacks into one pack and renames it into packs/, writes the manifest to tmp/, makes
@@ -19,7 +22,10 @@ each process keeps an index of digest -> (pack, offset), refreshed from packs/ (
 processes add packs, gc removes them). Saves in one process pack a blob once; processes sharing a
 directory may each pack a blob the other packed within the last second (a duplicate, never a loss).
 
-gc keeps a pack while any manifest names any page in it, and rewrites a pack whose live blobs are under
+Prefix pages are saved like a snapshot (their pack made durable by the same syncfs), then their records
+are merged into their space's index file, which is rewritten beside itself and renamed into place.
+
+gc keeps a pack while any manifest or prefix record names any page in it, and rewrites a pack whose live blobs are under
 half its blob bytes into a new one (durable) before deleting it: every live blob is in a complete pack at
 every instant.
 
@@ -40,7 +46,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -51,17 +57,23 @@ from kiln.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from kiln.snapshots import packs
+from kiln.snapshots import packs, prefix_file
 from kiln.snapshots.blobs import Blob
 from kiln.snapshots.manifest import DIGEST, SNAPSHOT_ID, Manifest
 from kiln.snapshots.store import (
+    RECORD_KINDS,
     GcReport,
     Lease,
+    PrefixKey,
+    PrefixRecord,
     SaveReport,
     SnapshotStore,
     check_lease_name,
     check_lease_request,
+    check_prefix_space,
+    check_record_kind,
     lease_lost,
+    record_key,
     stored_lease,
     this_host,
 )
@@ -80,9 +92,10 @@ class DirectoryStore(SnapshotStore):
         self.root = root
         self.url = str(root)
         with _io_errors(f"snapshot directory {root}"):
-            for sub in ("packs", "blobs", "manifests", "tmp", "leases"):
+            for sub in ("packs", "blobs", "manifests", "tmp", "leases", "prefix",
+                        *(f"records/{kind}" for kind in RECORD_KINDS)):
                 (root / sub).mkdir(parents=True, exist_ok=True)
-            for lock in ("lock", "packs/lock", "leases/lock"):
+            for lock in ("lock", "packs/lock", "leases/lock", "prefix/lock"):
                 (root / lock).touch()
         self._index_lock = threading.Lock()
         self._packs: dict[str, dict[str, packs.Entry] | None] = {}  # pack name -> its index (None: unreadable)
@@ -249,12 +262,7 @@ class DirectoryStore(SnapshotStore):
         beside this one may count on its blobs: that save's own flush makes them durable too."""
         with _io_errors("saving a snapshot"), self._lock(fcntl.LOCK_SH):
             needed = manifest.digests()
-            with self._lock(fcntl.LOCK_EX, "packs/lock"):  # set-if-absent: concurrent saves pack a blob once
-                absent = self.missing(needed)
-                unknown = absent - blobs.keys()
-                if unknown:
-                    raise FailedPreconditionError(f"page blob {min(unknown)[:16]} is neither stored nor part of this save")
-                written = self._write_pack([(d, blobs[d]) for d in sorted(absent)], durable=_syncfs is None) if absent else 0
+            absent, written = self._store_blobs(needed, blobs)
             data = manifest.to_json()
             staged = self._stage(data, sync=_syncfs is None)
             try:
@@ -266,6 +274,18 @@ class DirectoryStore(SnapshotStore):
             finally:
                 staged.unlink(missing_ok=True)
             return SaveReport(len(absent), written + len(data), len(needed) - len(absent))
+
+    def _store_blobs(self, needed: set[str], blobs: dict[str, Blob]) -> tuple[set[str], int]:
+        """Pack the blobs among `needed` the store lacks (taken from `blobs`: FailedPreconditionError if one is
+        not there); returns them and the pack's size. Called with ROOT/lock held shared; the caller makes the
+        pack durable (syncfs) where it is not already."""
+        with self._lock(fcntl.LOCK_EX, "packs/lock"):  # set-if-absent: concurrent saves pack a blob once
+            absent = self.missing(needed)
+            unknown = absent - blobs.keys()
+            if unknown:
+                raise FailedPreconditionError(f"page blob {min(unknown)[:16]} is neither stored nor part of this save")
+            written = self._write_pack([(d, blobs[d]) for d in sorted(absent)], durable=_syncfs is None) if absent else 0
+        return absent, written
 
     def _write_pack(self, entries: list[tuple[str, Blob]], durable: bool) -> int:
         """One new pack of `entries`, renamed into packs/ complete and then indexed; `durable`: fsync of
@@ -293,6 +313,7 @@ class DirectoryStore(SnapshotStore):
         with _io_errors("collecting snapshot garbage"), self._lock(fcntl.LOCK_EX):
             manifests = self.gc_manifests()
             referenced = set().union(*(m.digests() for m in manifests)) if manifests else set()
+            referenced |= self._prefix_digests()
             kept = deleted = freed = 0
             self._refresh(force=True)
             with self._index_lock:
@@ -326,6 +347,99 @@ class DirectoryStore(SnapshotStore):
             self._refresh(force=True)
             self._prune_leases()
             return GcReport(len(manifests), kept, deleted, freed)
+
+    # ---- prefix records ---------------------------------------------------------------------------
+
+    def save_prefix(self, space: str, records: Sequence[PrefixRecord], blobs: dict[str, Blob]) -> SaveReport:
+        """As `save`: the pack made durable (one syncfs) before the records name its blobs."""
+        check_prefix_space(space)
+        with _io_errors("saving prefix pages"), self._lock(fcntl.LOCK_SH):
+            needed = {record.digest for record in records}
+            absent, written = self._store_blobs(needed, blobs)
+            if absent and _syncfs is not None:
+                self._syncfs()
+            self._change_prefix(space, lambda current: current.update((r.key, r) for r in records))
+            return SaveReport(len(absent), written, len(needed) - len(absent))
+
+    def prefix_records(self, space: str) -> list[PrefixRecord]:
+        check_prefix_space(space)
+        with _io_errors("reading prefix records"), self._lock(fcntl.LOCK_SH, "prefix/lock"):
+            return self._read_prefix(self._prefix_path(space))
+
+    def touch_prefix(self, space: str, used: dict[PrefixKey, float]) -> None:
+        check_prefix_space(space)
+
+        def touch(current: dict[PrefixKey, PrefixRecord]) -> None:
+            for key, at in used.items():
+                if key in current and at > current[key].last_used:
+                    current[key] = replace(current[key], last_used=at)
+
+        with _io_errors("touching prefix records"):
+            self._change_prefix(space, touch)
+
+    def drop_prefix(self, space: str, keys: Iterable[PrefixKey]) -> None:
+        check_prefix_space(space)
+        gone = set(keys)
+
+        def drop(current: dict[PrefixKey, PrefixRecord]) -> None:
+            for key in gone:
+                current.pop(key, None)
+
+        with _io_errors("dropping prefix records"):
+            self._change_prefix(space, drop)
+
+    def _prefix_path(self, space: str) -> Path:
+        return self.root / "prefix" / f"{space}{prefix_file.SUFFIX}"
+
+    def _read_prefix(self, path: Path) -> list[PrefixRecord]:
+        try:
+            return prefix_file.decode(path.read_bytes())
+        except FileNotFoundError:
+            return []
+
+    def _change_prefix(self, space: str, change: Callable[[dict[PrefixKey, PrefixRecord]], None]) -> None:
+        """Read a space's records, `change` them in place, write them back whole (read-modify-write under
+        the exclusive prefix lock: writers of several processes never lose each other's records)."""
+        path = self._prefix_path(space)
+        with self._lock(fcntl.LOCK_EX, "prefix/lock"):
+            current = {record.key: record for record in self._read_prefix(path)}
+            change(current)
+            self._write_file(path, prefix_file.encode(current.values()), sync=False, beside=True)
+
+    def _prefix_digests(self) -> set[str]:
+        """Every blob a prefix record of any space names (gc keeps them)."""
+        with self._lock(fcntl.LOCK_SH, "prefix/lock"):
+            paths = (self.root / "prefix").glob(f"*{prefix_file.SUFFIX}")
+            return {record.digest for path in paths for record in self._read_prefix(path)}
+
+    # ---- keyed records ------------------------------------------------------------------------------
+
+    def record(self, kind: str, owner: str, key: str) -> bytes | None:
+        with _io_errors(f"reading a {kind} record"):
+            try:
+                return self._record_path(kind, owner, key).read_bytes()
+            except FileNotFoundError:
+                return None
+
+    def put_record(self, kind: str, owner: str, key: str, data: bytes) -> None:
+        path = self._record_path(kind, owner, key)
+        with _io_errors(f"writing a {kind} record"):
+            self._write_file(path, data, sync=True)
+            _fsync_dir(path.parent)
+
+    def delete_record(self, kind: str, owner: str, key: str) -> bool:
+        path = self._record_path(kind, owner, key)
+        with _io_errors(f"deleting a {kind} record"):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                return False
+            _fsync_dir(path.parent)
+            return True
+
+    def _record_path(self, kind: str, owner: str, key: str) -> Path:
+        check_record_kind(kind)
+        return self.root / "records" / kind / f"{record_key(owner, key)}.json"
 
     # ---- leases -----------------------------------------------------------------------------------
 
@@ -477,8 +591,8 @@ class DirectoryStore(SnapshotStore):
 
     @contextlib.contextmanager
     def _lock(self, mode: int, name: str = "lock") -> Iterator[None]:
-        """flock on ROOT/`name`, released when the block ends (order: ROOT/lock before packs/lock or
-        leases/lock, never both of those)."""
+        """flock on ROOT/`name`, released when the block ends (order: ROOT/lock before packs/lock,
+        leases/lock or prefix/lock, never two of those at once)."""
         with open(self.root / name, "rb") as lock:
             fcntl.flock(lock, mode)
             yield  # closing the file releases the lock

@@ -10,8 +10,14 @@
     kiln:lease:<name>         a session lease: hash of holder, fencing token and the holder's process (host,
                               pid), expiring by PEXPIRE
     kiln:lease-tokens         the last fencing token granted (INCR; one counter for every name)
+    kiln:prefix:<space>       the prefix store's records of one space: hash of "<group>:<chain hex>" ->
+                              "<digest>:<stored size>"
+    kiln:prefix-used:<space>  sorted set of the same fields by last use (unix seconds)
+    kiln:prefix-spaces        set of the spaces that have records (what gc walks)
+    kiln:record:<kind>:<key>  a keyed record (store.record_key of owner and key)
 
-A save writes its absent blobs, then the manifest and its index entries in one Lua script: readers see
+A save writes its absent blobs, then the manifest and its index entries in one Lua script (a prefix save
+its records, under the same writer lease): readers see
 the old manifest or the new one. Saves and gc exclude each other through the writer and gc leases, each
 set before checking for the other (so at least one of two racing parties sees the other and backs off).
 Those leases are short (LEASE_MS) and renewed by a thread while the work runs, so a process that dies
@@ -43,15 +49,21 @@ from kiln.errors import (
     UnavailableError,
 )
 from kiln.snapshots.blobs import Blob
-from kiln.snapshots.manifest import Manifest
+from kiln.snapshots.manifest import DIGEST, Manifest
 from kiln.snapshots.store import (
+    CHAIN_BYTES,
     GcReport,
     Lease,
+    PrefixKey,
+    PrefixRecord,
     SaveReport,
     SnapshotStore,
     check_lease_name,
     check_lease_request,
+    check_prefix_space,
+    check_record_kind,
     lease_lost,
+    record_key,
     stored_lease,
     this_host,
 )
@@ -95,6 +107,14 @@ return {1, tostring(token)}""",
 redis.call('SET', KEYS[3], ARGV[5])
 redis.call('SADD', KEYS[4], ARGV[4])
 redis.call('SADD', KEYS[5], ARGV[4])
+return 1""",
+    # KEYS writer lease, records, their last use, spaces; ARGV writer token, space, then field, value, last use...
+    "prefix_commit": """if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -2 end
+redis.call('SADD', KEYS[4], ARGV[2])
+for i = 3, #ARGV, 3 do
+  redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+  redis.call('ZADD', KEYS[3], ARGV[i + 2], ARGV[i])
+end
 return 1""",
     # KEYS lease, manifest, manifests, [owner set]; ARGV holder, token, id -> manifests deleted (0 or 1)
     "delete": _FENCE + """local n = redis.call('DEL', KEYS[2])
@@ -175,16 +195,7 @@ class RedisStore(SnapshotStore):
     def save(self, manifest: Manifest, blobs: dict[str, Blob], fence: Lease | None = None) -> SaveReport:
         with _redis_errors("saving a snapshot"), self._writer_lease() as (writer_key, writer_token):
             needed = sorted(manifest.digests())
-            absent = self.missing(needed)
-            unknown = absent - blobs.keys()
-            if unknown:
-                raise FailedPreconditionError(f"page blob {min(unknown)[:16]} is neither stored nor part of this save")
-            pipe = self.client.pipeline(transaction=False)
-            for digest in sorted(absent):
-                pipe.set(PREFIX + "blob:" + digest, blobs[digest], nx=True)
-                pipe.sadd(PREFIX + "blobs", digest)
-            replies = pipe.execute()[0::2]  # SET NX: None where a save beside this one got there first
-            created = [d for d, reply in zip(sorted(absent), replies, strict=True) if reply]
+            created = self._store_blobs(needed, blobs)
             data = manifest.to_json()
             lease_key, holder, token = _fence_args(fence)
             keys = [lease_key, writer_key, PREFIX + "manifest:" + manifest.snapshot_id, PREFIX + "manifests",
@@ -202,6 +213,7 @@ class RedisStore(SnapshotStore):
         with _redis_errors("collecting snapshot garbage"), self._gc_lease() as token:
             manifests = self.gc_manifests()
             referenced = set().union(*(m.digests() for m in manifests)) if manifests else set()
+            referenced |= self._prefix_digests()
             stored = {member.decode() for member in self.client.smembers(PREFIX + "blobs")}
             stored |= {key.decode().removeprefix(PREFIX + "blob:") for key in self.client.scan_iter(PREFIX + "blob:*")}
             garbage = sorted(stored - referenced)
@@ -216,8 +228,89 @@ class RedisStore(SnapshotStore):
                 freed += result
             return GcReport(len(manifests), len(stored) - len(garbage), len(garbage), freed)
 
+    def _store_blobs(self, needed: Sequence[str], blobs: dict[str, Blob]) -> list[str]:
+        """SET NX the blobs among `needed` the store lacks (taken from `blobs`: FailedPreconditionError if one
+        is not there); returns the digests this call created. Called under the writer lease."""
+        absent = sorted(self.missing(needed))
+        unknown = set(absent) - blobs.keys()
+        if unknown:
+            raise FailedPreconditionError(f"page blob {min(unknown)[:16]} is neither stored nor part of this save")
+        pipe = self.client.pipeline(transaction=False)
+        for digest in absent:
+            pipe.set(PREFIX + "blob:" + digest, blobs[digest], nx=True)
+            pipe.sadd(PREFIX + "blobs", digest)
+        replies = pipe.execute()[0::2]  # SET NX: None where a save beside this one got there first
+        return [d for d, reply in zip(absent, replies, strict=True) if reply]
+
     def close(self) -> None:
         self.client.close()
+
+    # ---- prefix records ---------------------------------------------------------------------------
+
+    def save_prefix(self, space: str, records: Sequence[PrefixRecord], blobs: dict[str, Blob]) -> SaveReport:
+        check_prefix_space(space)
+        with _redis_errors("saving prefix pages"), self._writer_lease() as (writer_key, writer_token):
+            needed = sorted({record.digest for record in records})
+            created = self._store_blobs(needed, blobs)
+            fields = [value for r in records for value in (_prefix_field(r.key), f"{r.digest}:{r.size}", r.last_used)]
+            keys = [writer_key, PREFIX + "prefix:" + space, PREFIX + "prefix-used:" + space, PREFIX + "prefix-spaces"]
+            if self._scripts["prefix_commit"](keys=keys, args=[writer_token, space, *fields]) == LAPSED:
+                raise UnavailableError("saving prefix pages: the save outlived its writer lease (a gc may have run "
+                                       "meanwhile), so its records were not written")
+            return SaveReport(len(created), sum(len(blobs[d]) for d in created), len(needed) - len(created))
+
+    def prefix_records(self, space: str) -> list[PrefixRecord]:
+        """Malformed fields (not what save_prefix writes) are left out."""
+        check_prefix_space(space)
+        with _redis_errors("reading prefix records"):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hgetall(PREFIX + "prefix:" + space)
+            pipe.zrange(PREFIX + "prefix-used:" + space, 0, -1, withscores=True)
+            values, used = pipe.execute()
+        last_used = dict(used)
+        records = []
+        for field, value in values.items():
+            record = _prefix_record(field, value, last_used.get(field, 0.0))
+            if record is not None:
+                records.append(record)
+        return records
+
+    def touch_prefix(self, space: str, used: dict[PrefixKey, float]) -> None:
+        check_prefix_space(space)
+        if used:
+            with _redis_errors("touching prefix records"):
+                self.client.zadd(PREFIX + "prefix-used:" + space, {_prefix_field(k): at for k, at in used.items()},
+                                 xx=True, gt=True)
+
+    def drop_prefix(self, space: str, keys: Iterable[PrefixKey]) -> None:
+        check_prefix_space(space)
+        fields = [_prefix_field(key) for key in keys]
+        if fields:
+            with _redis_errors("dropping prefix records"):
+                pipe = self.client.pipeline(transaction=True)
+                pipe.hdel(PREFIX + "prefix:" + space, *fields)
+                pipe.zrem(PREFIX + "prefix-used:" + space, *fields)
+                pipe.execute()
+
+    def record(self, kind: str, owner: str, key: str) -> bytes | None:
+        with _redis_errors(f"reading a {kind} record"):
+            return self.client.get(_record_key(kind, owner, key))
+
+    def put_record(self, kind: str, owner: str, key: str, data: bytes) -> None:
+        with _redis_errors(f"writing a {kind} record"):
+            self.client.set(_record_key(kind, owner, key), data)
+
+    def delete_record(self, kind: str, owner: str, key: str) -> bool:
+        with _redis_errors(f"deleting a {kind} record"):
+            return bool(self.client.delete(_record_key(kind, owner, key)))
+
+    def _prefix_digests(self) -> set[str]:
+        """Every blob a prefix record of any space names (gc keeps them)."""
+        digests = set()
+        for space in self.client.smembers(PREFIX + "prefix-spaces"):
+            for value in self.client.hvals(PREFIX + "prefix:" + space.decode()):
+                digests.add(value.decode(errors="replace").partition(":")[0])
+        return digests
 
     # ---- session leases ---------------------------------------------------------------------------
 
@@ -311,8 +404,30 @@ class RedisStore(SnapshotStore):
                 self._scripts["release_token"](keys=[key], args=[token])
 
 
+def _prefix_field(key: PrefixKey) -> str:
+    return f"{key[0]}:{key[1].hex()}"
+
+
+def _prefix_record(field: bytes, value: bytes, last_used: float) -> PrefixRecord | None:
+    """A record as save_prefix wrote it; None for anything else."""
+    group, _, chain = field.decode(errors="replace").partition(":")
+    digest, _, size = value.decode(errors="replace").partition(":")
+    if not (group.isdigit() and size.isdigit() and DIGEST.fullmatch(digest)):
+        return None
+    try:
+        raw = bytes.fromhex(chain)
+    except ValueError:
+        return None
+    return PrefixRecord(int(group), raw, digest, int(size), float(last_used)) if len(raw) == CHAIN_BYTES else None
+
+
 def _lease_key(name: str) -> str:
     return PREFIX + "lease:" + name
+
+
+def _record_key(kind: str, owner: str, key: str) -> str:
+    check_record_kind(kind)
+    return f"{PREFIX}record:{kind}:{record_key(owner, key)}"
 
 
 def _fence_args(fence: Lease | None) -> tuple[str, str, str]:

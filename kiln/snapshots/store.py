@@ -8,13 +8,27 @@ Contract every backend keeps:
 - A save is `save(manifest, blobs)`: blobs first, made durable, manifest last and atomically. A reader
   (or a crash at any point) sees the previous manifest of that id or the new complete one, never a
   manifest whose blobs are missing.
-- `gc` deletes blobs no manifest references, and is safe while other processes save: a save in flight
-  holds the store's writer lease, which gc waits out (and saves wait for a running gc).
+- `gc` deletes blobs no manifest and no prefix record references, and is safe while other processes save:
+  a save in flight holds the store's writer lease, which gc waits out (and saves wait for a running gc).
 - `gc` fails closed: while any manifest cannot be read (corrupt, a newer format version) it deletes
   nothing and raises FailedPreconditionError naming those ids; a read that fails for the medium's sake
   (a Redis timeout) is UnavailableError, also before anything is deleted.
 - Failures of the medium (a full disk, Redis gone) raise typed errors: ResourceExhaustedError for no
   space, UnavailableError for an unreachable or failing store. Nothing half-written is ever listed.
+
+Prefix records (the persistent prefix store, kiln/snapshots/prefix_store.py): within a prefix space (one
+per model and KV format, `prefix_space`) a record maps a full page's (KV group, chain hash) to the blob of
+its bytes, with the blob's stored size and when it was last used. `save_prefix(space, records, blobs)`
+writes like `save`: absent blobs first, then the records, so no record ever names a missing blob. A
+record keeps its blob from gc exactly as a manifest does; `drop_prefix` removes records (their blobs stay
+until gc, and are collected then unless a manifest or another record names them). Records are a cache:
+an index a crash of the machine tore reads as no records (its blobs become garbage), never as wrong ones.
+
+Keyed records (small JSON an interface keeps beside the sessions, per owner digest and key, of a kind in
+RECORD_KINDS: a named session's binding, kiln/server/chat_sessions.py; a stored response of the Responses
+API, kiln/server/stored_responses.py): `put_record(kind, owner, key, data)` replaces a record atomically and
+durably, `record` reads it back (None: never written, or deleted), `delete_record` removes it (True if it
+was there).
 
 Leases (one owner per live session, docs/architecture.md § Ownership): `acquire_lease(name, holder, ttl_s)`
 grants `name` to one holder at a time until it lapses (wall-clock `expires_at`) unless renewed. Every
@@ -28,8 +42,10 @@ host can tell a holder that exited without handing off (kiln/snapshots/ownership
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import os
+import re
 import socket
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -54,6 +70,45 @@ class GcReport:
     blobs_kept: int
     blobs_deleted: int
     bytes_freed: int
+
+
+PrefixKey = tuple[int, bytes]  # (KV group, chain hash): kiln/kv/cache.py's key of a named page
+PREFIX_SPACE = re.compile(r"[0-9a-f]{32}")
+CHAIN_BYTES = 16  # a chain hash (kiln/kv/pages.py)
+RECORD_KINDS = ("name", "response")  # keyed records: named sessions' bindings, stored responses
+
+
+@dataclass(frozen=True)
+class PrefixRecord:
+    """One page of the persistent prefix store: the page (KV group, chain hash) of a prefix space is the blob
+    `digest` (SHA-256 of its raw bytes), `size` bytes as stored; `last_used` (unix seconds) orders eviction."""
+
+    group: int
+    chain: bytes
+    digest: str
+    size: int
+    last_used: float
+
+    @property
+    def key(self) -> PrefixKey:
+        return (self.group, self.chain)
+
+
+def record_key(owner: str, key: str) -> str:
+    """Where a keyed record lives: a digest, since keys such as ".." must not become paths."""
+    return hashlib.sha256(f"{owner}\0{key}".encode()).hexdigest()
+
+
+def check_record_kind(kind: str) -> None:
+    """A record kind names a directory and a Redis key part: one of RECORD_KINDS."""
+    if kind not in RECORD_KINDS:
+        raise InvalidArgumentError(f"a record kind is one of {', '.join(RECORD_KINDS)}, got {str(kind)[:64]!r}")
+
+
+def check_prefix_space(space: str) -> None:
+    """A prefix space names a file and a Redis key part: 32 hex digits (`prefix_space`)."""
+    if not isinstance(space, str) or not PREFIX_SPACE.fullmatch(space):
+        raise InvalidArgumentError(f"a prefix space is 32 hex digits, got {str(space)[:64]!r}")
 
 
 @dataclass(frozen=True)
@@ -174,8 +229,41 @@ class SnapshotStore(ABC):
 
     @abstractmethod
     def gc(self) -> GcReport:
-        """Delete every blob no manifest references (and leftovers of interrupted saves). Fails closed:
-        FailedPreconditionError, nothing deleted, while any manifest is unreadable."""
+        """Delete every blob no manifest and no prefix record references (and leftovers of interrupted
+        saves). Fails closed: FailedPreconditionError, nothing deleted, while any manifest is unreadable."""
+
+    # ---- prefix records (the persistent prefix store) ---------------------------------------------
+
+    @abstractmethod
+    def save_prefix(self, space: str, records: Sequence[PrefixRecord], blobs: dict[str, Blob]) -> SaveReport:
+        """Store the `blobs` that are absent, then the records (replacing those of the same keys). Every
+        record's digest must be stored afterwards: FailedPreconditionError otherwise, no record written."""
+
+    @abstractmethod
+    def prefix_records(self, space: str) -> list[PrefixRecord]:
+        """Every record of the space (any order); none for a space never written."""
+
+    @abstractmethod
+    def touch_prefix(self, space: str, used: dict[PrefixKey, float]) -> None:
+        """Move records' `last_used` forward to the times given (records absent now are left absent)."""
+
+    @abstractmethod
+    def drop_prefix(self, space: str, keys: Iterable[PrefixKey]) -> None:
+        """Remove records (absent ones are ignored); their blobs stay until gc."""
+
+    # ---- keyed records ------------------------------------------------------------------------------
+
+    @abstractmethod
+    def record(self, kind: str, owner: str, key: str) -> bytes | None:
+        """The record of `kind` an owner (an owner digest) keeps under `key`; None if there is none."""
+
+    @abstractmethod
+    def put_record(self, kind: str, owner: str, key: str, data: bytes) -> None:
+        """Replace the record, durably before returning (a reader sees the old record or the new one)."""
+
+    @abstractmethod
+    def delete_record(self, kind: str, owner: str, key: str) -> bool:
+        """Remove the record, durably before returning; True if there was one."""
 
     @abstractmethod
     def acquire_lease(self, name: str, holder: str, ttl_s: float) -> Lease:

@@ -166,6 +166,44 @@ def test_the_openai_package_works_unchanged_against_the_fleet(fleet: Fleet):
         openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="wrong", max_retries=0).models.list()
 
 
+def test_a_named_session_is_served_by_its_owner_whichever_replica_the_proxy_picks(fleet: Fleet):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key=KEYS[0], max_retries=0,
+                           default_headers={"Kiln-Session": "fleet-agent"})
+    messages, served, previous = [], set(), 0
+    for question in ["Hello?", "And then?", "Why?", "How so?", "Go on."]:
+        messages.append({"role": "user", "content": question})
+        raw = client.chat.completions.with_raw_response.create(model="kiln", messages=messages, max_tokens=3,
+                                                               temperature=0)
+        reply = raw.parse()
+        served.add(raw.headers[REPLICA])
+        # the owner's session, not a copy: at least the last prompt is reused (the tiny model's replies are
+        # random bytes, which a client's echo of their text need not reproduce: then the reply is recomputed)
+        assert reply.usage.prompt_tokens_details.cached_tokens >= previous
+        previous = reply.usage.prompt_tokens
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    assert len(served) == 1
+    store = RedisStore(fleet.redis.url)
+    assert owner_of(store, raw.headers["Kiln-Session-Id"]) == served.pop()
+    store.close()
+
+
+def test_a_responses_chain_is_served_by_the_owner_of_its_session(fleet: Fleet):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key=KEYS[0], max_retries=0)
+    previous, served, reused = None, set(), 0
+    for question in ["Hello?", "And then?", "Why?", "How so?", "Go on."]:
+        raw = client.responses.with_raw_response.create(model="kiln", input=question, previous_response_id=previous,
+                                                        max_output_tokens=3, temperature=0)
+        response = raw.parse()
+        served.add(raw.headers[REPLICA])
+        assert response.usage.input_tokens_details.cached_tokens >= reused  # its session's history, on its owner
+        previous, reused = response.id, response.usage.input_tokens
+    assert len(served) == 1
+
+
 def test_the_typescript_sdk_works_unchanged_through_the_fleets_grpc_address(fleet: Fleet):
     sdk = Path(__file__).resolve().parents[2] / "sdk" / "typescript" / "dist" / "esm" / "index.js"
     if shutil.which("node") is None or not sdk.exists():

@@ -33,9 +33,12 @@ ROUTES = (
     "POST /v1/sessions/{session_id}/generate", "POST /v1/sessions/{session_id}/fork",
     "POST /v1/sessions/{session_id}/snapshot", "GET /v1/snapshots", "GET /v1/snapshots/{snapshot_id}",
     "DELETE /v1/snapshots/{snapshot_id}", "POST /v1/snapshots/{snapshot_id}/restore", "POST /v1/tokenize",
-    "POST /v1/detokenize", "GET /healthz", "HEAD /healthz", "GET /metrics",
+    "POST /v1/detokenize", "GET /healthz", "HEAD /healthz", "GET /health", "HEAD /health", "GET /metrics",
+    "POST /v1/responses", "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
+    "GET /v1/responses/{response_id}/input_items",
 )
-OPEN_ROUTES = ("GET /healthz", "HEAD /healthz", "GET /metrics")  # no inputs, not even a key: nothing to make invalid
+# no inputs, not even a key: nothing to make invalid
+OPEN_ROUTES = ("GET /healthz", "HEAD /healthz", "GET /health", "HEAD /health", "GET /metrics")
 BODILESS = ("POST /v1/sessions/{session_id}/snapshot", "POST /v1/snapshots/{snapshot_id}/restore")  # a body is ignored
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 EXAMPLES_PER_ROUTE = 8

@@ -245,3 +245,50 @@ def test_capture_copies_held_pages_and_clears_the_partial_tail_of_the_copy_only(
     cache.storage.codec.clear_from(expected, len(tokens) % PS)
     assert torch.equal(image.blocks[(0, 2)], expected) and not torch.equal(expected, pool[partial])
     assert torch.equal(cache.storage.data, pool)  # the pool itself is untouched
+
+
+def test_named_pages_are_logged_and_fetched_pages_extend_a_table_named_like_computed_ones():
+    """The persistent prefix store's two sides of the cache: `take_named` lists each page the index names
+    once (and only while it still holds that content), `extend` puts fetched bytes back under their keys."""
+    source = make_cache(16, window=6)  # a sliding group (window 6: the last two pages) beside the global one
+    source.track_named()
+    tokens = list(range(20, 41))  # 21 tokens: 5 full pages; a request computes its first 20
+    table = run_sequence(source, tokens[:20])
+    named = source.take_named()
+    assert len(named) == 10 and source.take_named() == []  # 5 pages x 2 groups, each once
+    for key, page in named:
+        source.storage.page(page).fill_(key[1][0])  # stand-in K/V: each page's bytes tell its key
+    fetched = {key: source.storage.page(page).clone() for key, page in named}
+    source.release(table)
+
+    fresh = make_cache(16, window=6)
+    fresh.track_named()
+    restored = PageTable.empty(fresh.layout.num_groups)
+    assert fresh.attach(restored, tokens) == 0
+    chain = fresh.chain(restored.policy, tokens)
+    assert fresh.missing(restored.policy, chain, 0) == [(g, h) for g in (0, 1) for h in chain if g == 0 or h in chain[3:]]
+    assert fresh.extend(restored, chain, fetched) == 5
+    window = [i for i, page in enumerate(restored.pages[1]) if page is not None]
+    assert window == [3, 4] and all(page is not None for page in restored.pages[0])  # the window's pages, every global one
+    for g, pages in enumerate(restored.pages):
+        for i, page in enumerate(pages):
+            if page is not None:
+                assert torch.equal(fresh.storage.page(page), fetched[(g, chain[i])])
+    assert fresh.take_named() == []  # fetched pages are in the store already: not written back
+    fresh.check(restored, tokens, 20)
+    fresh.release(restored)
+    again = PageTable.empty(fresh.layout.num_groups)
+    assert fresh.attach(again, tokens) == 20  # named and cached like computed pages
+
+
+def test_extend_takes_nothing_when_the_pool_cannot_hold_the_fetched_pages():
+    source = make_cache(16)
+    source.track_named()
+    tokens = list(range(30, 47))
+    source.release(run_sequence(source, tokens[:16]))
+    fetched = {key: source.storage.page(page).clone() for key, page in source.take_named()}
+    small = make_cache(3)  # its 4 fetched pages do not fit
+    table = PageTable.empty(small.layout.num_groups)
+    small.attach(table, tokens)
+    assert small.extend(table, small.chain(table.policy, tokens), fetched) == 0
+    assert not table.holds_pages and small.usage().free == 3

@@ -237,7 +237,8 @@ def test_two_thousand_idle_connections_do_not_starve_a_bystander(server, http):
     port = http_port(server)
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(FLOOD)]
     try:
-        reply = http.post("/v1/completions", json={"prompt": "a bystander", "max_tokens": 8}, timeout=30.0)
+        reply = http.post("/v1/completions", json={"prompt": "a bystander", "max_tokens": 8, "temperature": 0},
+                          timeout=30.0)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 8
         extra = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_CONNECTIONS + 50 - FLOOD)]
         refused = readable_within(extra, MARGIN_S)
@@ -283,7 +284,7 @@ def test_bad_edge_flags_exit_2_before_the_model_loads(flags, capsys):
 
 def test_each_request_has_one_log_line_without_content_or_keys(server, http):
     marker = "PROMPT-MARKER-7f3a"
-    response = http.post("/v1/completions", json={"prompt": marker, "max_tokens": 3},
+    response = http.post("/v1/completions", json={"prompt": marker, "max_tokens": 3, "temperature": 0},
                          headers={"x-request-id": "client-id-1"})
     assert response.status_code == 200 and response.headers["x-request-id"] == "client-id-1"
     [line] = access_lines(server, lambda line: line["request_id"] == "client-id-1")

@@ -59,7 +59,7 @@ def test_json_schema_response_format_parses_and_validates(oai):
 
 def test_a_required_tool_call_comes_back_as_tool_calls_whole_and_streamed(oai):
     options = {"model": "kiln", "messages": ASK, "max_tokens": 120, "tools": [WEATHER, PING],
-               "tool_choice": "required", "parallel_tool_calls": False}
+               "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0}  # the same call twice
     whole = oai.chat.completions.create(**options)
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -93,7 +93,7 @@ def test_one_required_call_ends_the_generation_and_the_reply_is_tool_calls(oai):
     tools in Kiln's text: the grammar ends after the call, so no second call is generated (the model
     would go on repeating ping's 58-byte call) and the reply is `tool_calls`, not `length`."""
     reply = oai.chat.completions.create(model="kiln", messages=ASK, max_tokens=60, tools=[PING], tool_choice="required",
-                                        logit_bias=NO_EOS)
+                                        logit_bias=NO_EOS, temperature=0)
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and reply.usage.completion_tokens <= 59  # the call, then EOS
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [("ping", "{}")]
@@ -103,7 +103,7 @@ def test_a_repeat_cut_by_max_tokens_is_still_a_whole_reply_of_calls(oai):
     """With parallel calls, a repeat still being written when max_tokens ends the generation was never
     shown: the reply is the complete call before it (`tool_calls`)."""
     reply = oai.chat.completions.create(model="kiln", messages=ASK, max_tokens=100, tools=[PING], tool_choice="required",
-                                        logit_bias=NO_EOS, parallel_tool_calls=True)
+                                        logit_bias=NO_EOS, parallel_tool_calls=True, temperature=0)
     assert reply.choices[0].finish_reason == "tool_calls" and reply.usage.completion_tokens == 100
     assert [c.function.name for c in reply.choices[0].message.tool_calls] == ["ping"]
 
@@ -112,7 +112,7 @@ def test_a_repeated_call_ends_the_reply_whole_and_streamed(oai):
     """ping takes no arguments, so a second call can only repeat the first: the reply ends after one
     call (finish_reason tool_calls) instead of repeating it until max_tokens."""
     options = {"model": "kiln", "messages": ASK, "max_tokens": 200, "tools": [PING], "tool_choice": "required",
-               "logit_bias": NO_EOS, "parallel_tool_calls": True}
+               "logit_bias": NO_EOS, "parallel_tool_calls": True, "temperature": 0}
     whole = oai.chat.completions.create(**options)
     choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -208,7 +208,7 @@ def test_n_choices_share_the_prompt_and_count_it_once(oai):
 
 def test_top_logprobs_on_chat_and_completions(oai):
     chat = oai.chat.completions.create(model="kiln", messages=ASK, max_tokens=3, logprobs=True, top_logprobs=4,
-                                       extra_body={"ignore_eos": True})
+                                       temperature=0, extra_body={"ignore_eos": True})  # greedy: the likeliest
     for entry in chat.choices[0].logprobs.content:
         assert len(entry.top_logprobs) == 4 and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
     completion = oai.completions.create(model="kiln", prompt="hello", max_tokens=3, logprobs=2,
@@ -222,9 +222,10 @@ def test_top_logprobs_on_chat_and_completions(oai):
 
 
 def test_echo_and_logit_bias(oai, http):
-    echoed = oai.completions.create(model="kiln", prompt="Echo me", max_tokens=3, echo=True)
+    echoed = oai.completions.create(model="kiln", prompt="Echo me", max_tokens=3, echo=True, temperature=0)
     assert echoed.choices[0].text.startswith("Echo me")
-    streamed = list(oai.completions.create(model="kiln", prompt="Echo me", max_tokens=3, echo=True, stream=True))
+    streamed = list(oai.completions.create(model="kiln", prompt="Echo me", max_tokens=3, echo=True, temperature=0,
+                                           stream=True))
     assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
     forced = oai.completions.create(model="kiln", prompt="x", max_tokens=4, logit_bias={str(token_id(http, "q")): 100},
                                     extra_body={"ignore_eos": True})
@@ -244,9 +245,10 @@ def test_model_ids_and_model_not_found(oai, http):
 
 
 def test_harmless_fields_are_accepted_and_ignored(oai):
-    reply = oai.chat.completions.create(model="kiln", messages=ASK, max_tokens=2, store=False, metadata={"k": "v"},
-                                        service_tier="auto", user="someone")
-    assert reply.choices[0].finish_reason in ("stop", "length")
+    reply = oai.chat.completions.with_raw_response.create(model="kiln", messages=ASK, max_tokens=2, store=False,
+                                                          metadata={"k": "v"}, service_tier="auto", user="someone")
+    assert reply.parse().choices[0].finish_reason in ("stop", "length")
+    assert reply.headers["Kiln-Ignored-Fields"] == "metadata, service_tier, store, user"
 
 
 @pytest.mark.parametrize(("body", "param", "complaint"), [
@@ -266,7 +268,8 @@ def test_harmless_fields_are_accepted_and_ignored(oai):
     ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
     ({"logit_bias": {"999999": 1}}, "logit_bias", "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
-    ({"functions": []}, "functions", "unknown field"),
+    ({"functions": []}, "functions", "send tools and tool_choice"),
+    ({"modalities": ["text", "audio"]}, "modalities", "text only"),
 ])
 def test_requests_kiln_cannot_honour_are_400_naming_the_field(http, body, param, complaint):
     requests_before = generations(http)

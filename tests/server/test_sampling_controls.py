@@ -60,9 +60,9 @@ def test_every_transport_applies_the_controls(tiny_server, client, http, oai) ->
     rest = http.post(f"/v1/sessions/{session}/generate", json={**REPLY, **CONTROLS})
     assert rest.status_code == 200, rest.text
     assert rest.json()["token_ids"] == penalised
-    completion = oai.completions.create(
-        model="kiln", prompt=PROMPT, max_tokens=REPLY["max_tokens"], presence_penalty=CONTROLS["presence_penalty"],
-        frequency_penalty=CONTROLS["frequency_penalty"],
+    completion = oai.completions.create(  # greedy, as the other transports are by default
+        model="kiln", prompt=PROMPT, max_tokens=REPLY["max_tokens"], temperature=0,
+        presence_penalty=CONTROLS["presence_penalty"], frequency_penalty=CONTROLS["frequency_penalty"],
         extra_body={"ignore_eos": True, "repetition_penalty": CONTROLS["repetition_penalty"], "min_p": CONTROLS["min_p"]})
     assert completion.choices[0].text == http.post("/v1/detokenize", json={"token_ids": penalised}).json()["text"]
     chat = oai.chat.completions.create(model="kiln", messages=[{"role": "user", "content": "hi"}], max_tokens=3,

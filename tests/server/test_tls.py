@@ -67,7 +67,7 @@ def _refused(call: object, what: str) -> BaseException:
 
 def _completion(url: str, verify: ssl.SSLContext | bool = True) -> httpx.Response:
     with httpx.Client(timeout=REFUSAL_BOUND_S, verify=verify) as http:
-        return http.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+        return http.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 2, "temperature": 0})
 
 
 def _trusting(ca: Path, cert: Path | None = None, key: Path | None = None) -> ssl.SSLContext:

@@ -139,6 +139,7 @@ function renderCards(s) {
     card("turn p50 / p95", `${seconds(last.turn_p50)} / ${seconds(last.turn_p95)}`, "last 15 s; in flight: age so far"),
     card("speculation", pct(spec.proposed ? spec.accepted / spec.proposed : null), `${num(spec.accepted)} of ${num(spec.proposed)} drafted accepted`),
     card("constrained", num(s.constrained_requests), "grammar-constrained requests"),
+    card("stored responses", num(s.responses.stored), `Responses API, in ${num(s.responses.sessions)} sessions (filter: responses)`),
     card("evictions", num(sum(s.evictions)), `ttl ${num(s.evictions.ttl)} · lru ${num(s.evictions.lru)} · preempted ${num(s.preemptions)}`),
     card("snapshots", `${num(sum(snaps.saves))} / ${num(sum(snaps.restores))}`, `saves / restores · ${snaps.store}`),
     card("snapshot bytes", bytes(snaps.bytes_written), `${bytes(snaps.dedup_bytes)} deduplicated`),
@@ -251,7 +252,7 @@ function renderTable(sessions) {
     th.classList.toggle("asc", th.dataset.key === view.sort && view.asc);
   }
   const needle = view.filter.toLowerCase();
-  const rows = sessions.filter((s) => !needle || [s.id, s.state, s.policy, s.owner ?? ""].some((v) => v.toLowerCase().includes(needle)));
+  const rows = sessions.filter((s) => !needle || [s.id, s.state, s.policy, s.owner ?? "", s.responses ? "responses" : ""].some((v) => v.toLowerCase().includes(needle)));
   const sign = view.asc ? 1 : -1;
   rows.sort((a, b) => {
     const p = a[view.sort], q = b[view.sort];
@@ -303,6 +304,7 @@ async function renderDetail(id) {
     card("forgotten tok", num(s.forgotten), s.policy === "sink_window" ? "between sink and window: no longer read" : "none: the policy reads every key"),
     card("invariant violations", num(s.violations), s.violations ? "the session failed" : "none", s.violations > 0),
     card("turns kept", num(s.turns.length), "most recent last"),
+    card("stored responses", num(s.responses), "Responses API: points in this session"),
   ].join("");
   turnsChart($("chart-turns"), s.turns);
   $("detail-snapshots").tBodies[0].replaceChildren(...s.snapshots.map((snapshot) => {
