@@ -168,7 +168,7 @@ def run_llamacpp_server(loaded: Any, scripts: list[list[list[int]]], args: argpa
     command = [sys.executable, "-m", "llama_cpp.server", "--model", str(loaded.source), "--host", "127.0.0.1",
                "--port", str(port), "--n_ctx", str(length), "--n_threads", str(common.THREADS),
                "--n_threads_batch", str(common.THREADS)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=common.peer_environment())
     url = f"http://127.0.0.1:{port}/v1/completions"
     try:
         deadline = time.monotonic() + 120

@@ -288,7 +288,7 @@ class LlamaServer:
     def start(self, timeout_s: float = 300.0) -> None:
         port = servers._free_port()
         process = self.process = subprocess.Popen(self.command(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                  text=True)
+                                                  text=True, env=common.peer_environment())
         threading.Thread(target=lambda: self.log.extend(process.stdout), daemon=True).start()  # every start's log
         self.http_url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout_s

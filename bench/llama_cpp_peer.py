@@ -1,4 +1,4 @@
-"""llama.cpp's side of bench/models.py, runnable by any Python that has llama-cpp-python and numpy (no
+"""llama.cpp's side of bench/models.py and bench/gguf_sizes.py, runnable by any Python that has llama-cpp-python and numpy (no
 torch, no Kiln): llama.cpp usually lives in a venv of its own, built for the host.
 
 `python bench/llama_cpp_peer.py < request.json > answer.json`, or `answer(request)` in process. Requests:
@@ -9,6 +9,11 @@ torch, no Kiln): llama.cpp usually lives in a venv of its own, built for the hos
   perplexity of ppl_tokens[1:] given their prefixes (one causal pass, `chunk` tokens per llama_decode, every
   position's logits) and the greedy continuation of each prompt, on llama.cpp's own kernels with its
   default f16 KV cache;
+- {"op": "speed", "model": GGUF, "decode_prompt": ids, "decode_tokens": n, "decode_repeats": n,
+  "prefill_prompts": {length: [ids...]}}: batch-1 greedy decode tokens/s after the first token (one untimed
+  warm-up, then `decode_repeats` runs), prefill tokens/s of each prompt (the first of each length untimed),
+  the process's memory after; llama-cpp-python's `Llama.eval` as its users call it (n_batch taking the
+  longest prompt in one call, llama.cpp's default n_ubatch and f16 KV cache);
 - {"op": "build"}: the llama-cpp-python version and what its ggml was built with.
 """
 
@@ -19,16 +24,18 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Any
 
 import numpy as np
 
 THREADS = 2  # bench/common.py THREADS: every system gets the same two threads
 _CTX_ALIGN = 256
+_N_BATCH = 2048  # llama.cpp's default logical batch (llama-cli, llama-server)
 
 
 def answer(request: dict[str, Any]) -> dict[str, Any]:
-    ops = {"quantize": quantize, "score": score, "build": build}
+    ops = {"quantize": quantize, "score": score, "speed": speed, "build": build}
     return ops[request.pop("op")](**request)
 
 
@@ -73,6 +80,55 @@ def score(model: str, ppl_tokens: list[int], chunk: int, prompts: list[list[int]
     decoder.close()
     llama.close()
     return {"perplexity": math.exp(nll / (len(ppl_tokens) - 1)), "greedy": greedy}
+
+
+def speed(model: str, decode_prompt: list[int], decode_tokens: int, decode_repeats: int,
+          prefill_prompts: dict[str, list[list[int]]]) -> dict[str, Any]:
+    from llama_cpp import Llama, llama_get_logits_ith
+
+    longest = max([len(decode_prompt) + decode_tokens, *(len(p) for prompts in prefill_prompts.values() for p in prompts)])
+    settings = {"n_ctx": -(-longest // _CTX_ALIGN) * _CTX_ALIGN, "n_batch": max(_N_BATCH, longest), "n_threads": THREADS,
+                "n_threads_batch": THREADS}
+    start = time.perf_counter()
+    llama = Llama(model_path=model, **settings, verbose=False)
+    ready = time.perf_counter() - start
+    vocab = llama.n_vocab()
+
+    def evaluate(tokens: list[int]) -> int:
+        """Append `tokens` to the context; the greedy next token."""
+        llama.eval(tokens)
+        pointer = ctypes.cast(llama_get_logits_ith(llama.ctx, -1), ctypes.POINTER(ctypes.c_float))
+        return int(np.ctypeslib.as_array(pointer, shape=(vocab,)).argmax())
+
+    def decode_rate() -> float:
+        llama.reset()
+        token = evaluate(decode_prompt)
+        start = time.perf_counter()
+        for _ in range(decode_tokens - 1):
+            token = evaluate([token])
+        return (decode_tokens - 1) / (time.perf_counter() - start)
+
+    def prefill_rate(prompt: list[int]) -> float:
+        llama.reset()  # forget the previous prompt: eval() then clears its KV
+        start = time.perf_counter()
+        evaluate(prompt)
+        return len(prompt) / (time.perf_counter() - start)
+
+    decode = [decode_rate() for _ in range(decode_repeats + 1)][1:]
+    prefill = {length: [prefill_rate(p) for p in prompts][1:] for length, prompts in prefill_prompts.items()}
+    answer = {"seconds_to_ready": ready, "decode_tokens_per_s": decode, "prefill_tokens_per_s": prefill,
+              "memory": memory(), "settings": settings | {key: getattr(llama.context_params, key) for key in
+                                                           ("n_ctx", "n_batch", "n_ubatch", "type_k", "type_v", "flash_attn_type")}}
+    llama.close()
+    return answer
+
+
+def memory() -> dict[str, int]:
+    """This process's memory now in bytes, from /proc/self/status: VmRSS (RssAnon + RssFile) and its peak,
+    VmHWM. A fresh process's own: a forked child's ru_maxrss starts from its parent's high-water mark."""
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status.read().splitlines())
+    return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "RssAnon", "RssFile", "VmHWM")}
 
 
 class _Decoder:

@@ -3,9 +3,10 @@
 
 - quality, for each embedded model (Gemma 3 270M Q4_K_M, SmolLM2-135M-Instruct Q4_1): perplexity
   teacher-forced over the first `--ppl-tokens` tokens of bench/data/perplexity.txt (the Apache License 2.0,
-  then CPython's textwrap.py), for Kiln's default weights (EngineConfig's defaults: int8 projections and
-  head re-quantised from the file's dequantised weights, float16 KV pages), Kiln exact (`quantization=None`:
-  the file's weights dequantised to float32) and llama.cpp on the same file (its own kernels, f16 KV
+  then CPython's textwrap.py), for Kiln's default weights (EngineConfig's defaults: the file's blocks as
+  stored, kiln/models/gguf_blocks.py, float16 KV pages), Kiln int8 (`quantization="int8"`: projections and
+  head re-quantised from the file's dequantised weights, the default before), Kiln exact
+  (`quantization=None`: the file's weights dequantised to float32) and llama.cpp on the same file (its own kernels, f16 KV
   cache, bench/llama_cpp_peer.py); every system gets the same token ids (Kiln's tokenizer) in
   `--chunk`-token steps. Greedy agreement: each prompt of PROMPTS (text, code, a story) continued by
   `--greedy-tokens` greedy tokens; the fraction of positions where a Kiln path's token equals llama.cpp's,
@@ -13,9 +14,9 @@
 - loading, on a 1.7B-shaped Q4_K_M file (SmolLM2-1.7B's shape and vocabulary, random weights: a float16
   GGUF written here with gguf-py, quantised by llama.cpp's own llama_model_quantize, kept in `--big-dir`):
   a fresh process builds a default engine (kiln.LLM) on it and generates 4 tokens, first with an empty
-  weight cache (describing the file and converting its weights into the cache) and then again (reading
-  the cache): seconds to a ready engine, peak RSS (the process's VmHWM), RSS after the 4 tokens, and the
-  cache's size on disk.
+  weight cache (describing the file into the cache; the default converts no weight of such a file) and then
+  again (reading the cache): seconds to a ready engine, peak RSS (the process's VmHWM), RSS after the 4
+  tokens, and the cache's size on disk.
 
 llama.cpp runs in this process when llama_cpp is importable, else under `--peer-python` (a venv with
 llama-cpp-python built for the host). Writes bench/results/models.json and .png. `--quick`: 512
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,17 +49,40 @@ from kiln.models.loader import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 PPL_TEXT = "bench/data/perplexity.txt"
-PATHS = {"default": {}, "exact": {"quantization": None}}  # EngineConfig options
+PATHS = {"default": {}, "int8": {"quantization": "int8"}, "exact": {"quantization": None}}  # EngineConfig options
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "import json\n\ndef load_config(path):\n",
     "Once upon a time, in a small village by the sea, there lived",
 ]
+BIG_SOURCE_MODEL = "smollm2-135m-instruct"  # whose vocabulary the big files take
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A llama-architecture model's shape, for a file of random weights. `vocab`: embedding (and output) rows;
+    past the source vocabulary's 49,152 tokens the vocabulary is padded with unused placeholder tokens."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    context: int
+    vocab: int
+    tied: bool
+    rope_theta: float
+
+    @property
+    def file(self) -> str:
+        return f"{self.name.lower()}-shape-random-q4_k_m.gguf"
+
+
 # SmolLM2-1.7B's shape; its vocabulary is SmolLM2-135M-Instruct's (the same 49,152 tokens).
-BIG_SHAPE = {"hidden": 2048, "layers": 24, "heads": 32, "kv_heads": 32, "ffn": 8192, "context": 8192}
-BIG_FILE = "smollm2-1.7b-shape-random-q4_k_m.gguf"
-BIG_SOURCE_MODEL = "smollm2-135m-instruct"  # whose vocabulary the big file takes
+BIG_SHAPE = Shape("SmolLM2-1.7B", hidden=2048, layers=24, heads=32, kv_heads=32, ffn=8192, context=8192, vocab=49_152,
+                  tied=True, rope_theta=130000.0)
 
 
 def peer(request: dict[str, Any], peer_python: str | None) -> dict[str, Any]:
@@ -66,7 +91,7 @@ def peer(request: dict[str, Any], peer_python: str | None) -> dict[str, Any]:
         return llama_cpp_peer.answer(dict(request))
     if peer_python is None:
         raise SystemExit("llama_cpp is not importable here: pass --peer-python (a Python with llama-cpp-python)")
-    done = subprocess.run([peer_python, str(Path(llama_cpp_peer.__file__))], input=json.dumps(request),
+    done = subprocess.run([peer_python, str(Path(llama_cpp_peer.__file__))], input=json.dumps(request), env=common.peer_environment(),
                           capture_output=True, text=True, check=True)
     return json.loads(done.stdout)
 
@@ -87,7 +112,7 @@ def quality(name: str, args: argparse.Namespace) -> dict[str, Any]:
                           **agreement(outputs, reference["greedy"])}
         print(name, label, results[label], flush=True)
     exact = results["exact"]["perplexity"]
-    for label in ("default", "llama.cpp"):
+    for label in ("default", "int8", "llama.cpp"):
         results[label]["perplexity_vs_exact"] = results[label]["perplexity"] / exact - 1
     return results
 
@@ -101,32 +126,32 @@ def agreement(ours: list[list[int]], reference: list[list[int]]) -> dict[str, An
     return {"greedy_agreement": same / sum(map(len, reference)), "tokens_before_first_difference": first}
 
 
-def write_random_f16(path: Path, vocabulary: Path) -> None:
-    """A llama GGUF of BIG_SHAPE with seeded random float16 weights (written tensor by tensor) and the
-    tokenizer of the GGUF file `vocabulary`, tied embeddings, as SmolLM2's converter writes them."""
-    shape = BIG_SHAPE
-    source = gguf.GGUFReader(vocabulary)
-    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
+def write_random_f16(path: Path, vocabulary: Path, shape: Shape) -> None:
+    """A llama GGUF of `shape` with seeded random float16 weights (written tensor by tensor) and the tokenizer of
+    the GGUF file `vocabulary` (padded to shape.vocab tokens), as SmolLM2's converter writes them."""
     writer = gguf.GGUFWriter(path, "llama")
-    writer.add_name("SmolLM2-1.7B-shaped random weights")
-    writer.add_context_length(shape["context"])
-    writer.add_embedding_length(shape["hidden"])
-    writer.add_block_count(shape["layers"])
-    writer.add_feed_forward_length(shape["ffn"])
-    writer.add_head_count(shape["heads"])
-    writer.add_head_count_kv(shape["kv_heads"])
-    writer.add_rope_freq_base(130000.0)
+    writer.add_name(f"{shape.name}-shaped random weights")
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(shape.layers)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_dimension_count(shape["hidden"] // shape["heads"])
+    writer.add_rope_dimension_count(shape.hidden // shape.heads)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    for key, field in source.fields.items():
+    for key, field in gguf.GGUFReader(vocabulary).fields.items():
         if key.startswith("tokenizer."):
             kind = field.types[0]
-            writer.add_key_value(key, field.contents(), kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
-    hidden, ffn = shape["hidden"], shape["ffn"]
-    kv = shape["kv_heads"] * hidden // shape["heads"]
-    tensors = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
-    for layer in range(shape["layers"]):
+            writer.add_key_value(key, _padded(key, field.contents(), shape.vocab), kind,
+                                 sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    hidden, ffn = shape.hidden, shape.ffn
+    kv = shape.kv_heads * hidden // shape.heads
+    tensors = {"token_embd.weight": (shape.vocab, hidden), "output_norm.weight": (hidden,)}
+    if not shape.tied:
+        tensors["output.weight"] = (shape.vocab, hidden)
+    for layer in range(shape.layers):
         tensors |= {f"blk.{layer}.{name}.weight": dims for name, dims in {
             "attn_norm": (hidden,), "attn_q": (hidden, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden),
             "attn_output": (hidden, hidden), "ffn_norm": (hidden,), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
@@ -144,13 +169,28 @@ def write_random_f16(path: Path, vocabulary: Path) -> None:
     writer.close()
 
 
-def big_file(args: argparse.Namespace) -> Path:
-    """The 1.7B-shaped Q4_K_M file, made once into `--big-dir` (its float16 source is deleted after)."""
-    target = Path(args.big_dir) / BIG_FILE
+# Placeholders that pad a vocabulary's per-token arrays: unused tokens, as a vocabulary's spare rows are.
+_PADDING = {"tokenizer.ggml.tokens": lambda i: f"<|pad_{i}|>",
+            "tokenizer.ggml.token_type": lambda i: int(gguf.TokenType.UNUSED),
+            "tokenizer.ggml.scores": lambda i: 0.0}
+
+
+def _padded(key: str, value: Any, rows: int) -> Any:
+    """A per-token tokenizer array padded with placeholders to `rows` entries; any other value as it is."""
+    if key not in _PADDING:
+        return value
+    if len(value) > rows:
+        raise ValueError(f"{key} has {len(value)} entries, more than the shape's {rows} rows")
+    return value + [_PADDING[key](i) for i in range(len(value), rows)]
+
+
+def big_file(args: argparse.Namespace, shape: Shape = BIG_SHAPE) -> Path:
+    """`shape`'s Q4_K_M file, made once into `--big-dir` (its float16 source is deleted after)."""
+    target = Path(args.big_dir) / shape.file
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         source = target.with_suffix(".f16.gguf")
-        write_random_f16(source, embedded_model_path(BIG_SOURCE_MODEL))
+        write_random_f16(source, embedded_model_path(BIG_SOURCE_MODEL), shape)
         partial = target.with_suffix(".partial")
         peer({"op": "quantize", "source": str(source), "target": str(partial), "ftype": "Q4_K_M"}, args.peer_python)
         partial.rename(target)
@@ -161,7 +201,7 @@ def big_file(args: argparse.Namespace) -> Path:
 def loading(args: argparse.Namespace) -> dict[str, Any]:
     """First and cached loads of the big file, each in a fresh process with its own empty cache at first."""
     path = big_file(args)
-    results: dict[str, Any] = {"file": path.name, "file_bytes": path.stat().st_size, "shape": BIG_SHAPE}
+    results: dict[str, Any] = {"file": path.name, "file_bytes": path.stat().st_size, "shape": asdict(BIG_SHAPE)}
     with tempfile.TemporaryDirectory(dir=args.big_dir) as cache:
         for phase in ("first", "cached"):
             command = [sys.executable, __file__, "--load-child", str(path)]
@@ -175,16 +215,15 @@ def loading(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def load_child(path: str) -> None:
-    """In the child: a default engine on `path`, 4 greedy tokens, then seconds and RSS as one JSON line. The
-    peak is the process's own VmHWM: a forked child's ru_maxrss starts from its parent's high-water mark."""
+    """In the child: a default engine on `path`, 4 greedy tokens, then seconds and RSS (llama_cpp_peer.memory)
+    as one JSON line."""
     common.set_threads()
     start = time.perf_counter()
     llm = LLM(model=path, kv_budget_bytes=64 * 2**20, num_threads=common.THREADS)
     ready = time.perf_counter() - start
     llm.generate("The capital of France is", max_tokens=4, temperature=0.0)
-    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    kib = {key: int(status[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")}
-    print(json.dumps({"seconds_to_ready": ready, "rss_after_bytes": kib["VmRSS"], "peak_rss_bytes": kib["VmHWM"]}))
+    memory = llama_cpp_peer.memory()
+    print(json.dumps({"seconds_to_ready": ready, "rss_after_bytes": memory["VmRSS"], "peak_rss_bytes": memory["VmHWM"]}))
 
 
 def main() -> None:
@@ -223,12 +262,12 @@ def _quick(args: argparse.Namespace) -> None:
 
 def plot(name: str, payload: dict[str, Any]) -> None:
     models = list(payload["quality"])
-    systems = ("exact", "default", "llama.cpp")
+    systems = ("exact", "default", "int8", "llama.cpp")
     panels = [
         ("perplexity (bench/data/perplexity.txt)", models,
          {s: [payload["quality"][m][s]["perplexity"] for m in models] for s in systems}),
         ("greedy agreement with llama.cpp", models,
-         {s: [payload["quality"][m][s]["greedy_agreement"] for m in models] for s in ("exact", "default")}),
+         {s: [payload["quality"][m][s]["greedy_agreement"] for m in models] for s in ("exact", "default", "int8")}),
     ]
     loading_result = payload["loading"]
     if loading_result:

@@ -119,6 +119,8 @@ def make_system(name: str, loaded: Any, args: argparse.Namespace) -> Any:
         return KilnSystem(loaded, args.device, quantization=None)
     if name == "kiln-deterministic":
         return KilnSystem(loaded, args.device, deterministic=True)
+    if name == "kiln-int8":  # every layer re-quantised to int8: the default before the file's own blocks
+        return KilnSystem(loaded, args.device, quantization="int8")
     if name == "hf":
         return HFSystem(loaded, args.device)
     return LlamaCppSystem(loaded, max(args.batches), max(args.lengths), args.prompt_len + args.decode_tokens + 8)
@@ -233,7 +235,7 @@ def parse_args() -> argparse.Namespace:
                         help="random weights shaped as this converted-weight cache entry describes, instead of the "
                              "embedded model (for machines the model file cannot reach; speed does not depend on values)")
     parser.add_argument("--peers", default="kiln,kiln-exact,kiln-deterministic,hf,llamacpp",
-                        help="comma-separated subset of kiln,kiln-exact,kiln-deterministic,hf,llamacpp")
+                        help="comma-separated subset of kiln,kiln-exact,kiln-deterministic,kiln-int8,hf,llamacpp")
     args = common.parse_run_args(parser, "throughput", "lengths 128,256, batches 1,4, 16 tokens, 2 repeats", _quick)
     if args.decode_tokens < 2:
         parser.error("--decode-tokens must be at least 2")

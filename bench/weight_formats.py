@@ -1,7 +1,8 @@
 """Weight formats on the embedded Gemma 3 270M: decode speed, prefill speed, weight bytes, perplexity,
-greedy agreement and a needle question, for `quantization` None ("exact") and int8 (kiln/models/quant.py),
+greedy agreement and a needle question, for `quantization` None ("exact"), "gguf" (the default: the file's
+Q4_K/Q6_K/Q5_0/Q8_0 blocks as stored, kiln/models/gguf_blocks.py) and int8 (re-quantised, kiln/models/quant.py),
 each with the KV pages its configuration ships with (`kv_dtype` "auto": float32 for exact, float16 for
-int8), and int8 with float32 KV pages, which tells what each half of the default costs.
+the others), and int8 with float32 KV pages, which tells what each half of int8 costs.
 
 - decode: one fresh session per run, a short prompt, `--decode-tokens` greedy tokens; tokens/s after the
   first token, median of `--repeats` runs after one untimed warm-up. The formats' engines all live at
@@ -34,6 +35,7 @@ import torch
 
 from kiln import LLM
 from kiln.config import EngineConfig
+from kiln.engine.engine import build_engine_model
 from kiln.engine.runner import Chunk, ModelRunner
 from kiln.engine.sequence import Sequence
 from kiln.kv.cache import KVCache
@@ -41,15 +43,14 @@ from kiln.kv.codec import KVCodec
 from kiln.kv.format import KVFormat, dtype_name
 from kiln.kv.layout import KVLayout
 from kiln.kv.pages import PageTable
-from kiln.models import build_model, quantize_model
-from kiln.models.causal_lm import CausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "The capital of France is"
 PPL_TEXT = "bench/data/perplexity.txt"
 FORMATS: dict[str, dict[str, Any]] = {  # label -> EngineConfig options
     "exact": {"quantization": None},
-    "int8": {"quantization": "int8"},  # the CPU default: float16 KV pages
+    "gguf": {"quantization": "gguf"},  # the CPU default: a GGUF file's blocks as stored, float16 KV pages
+    "int8": {"quantization": "int8"},
     "int8-kv32": {"quantization": "int8", "kv_dtype": "float32"},
 }
 AGREEMENT_PROMPTS = [
@@ -99,7 +100,7 @@ def perplexity(loaded, options: dict[str, Any], tokens: list[int], chunk: int) -
     """exp(mean negative log-likelihood) of tokens[1:] given their prefixes, one chunk per forward, with the
     weights and KV pages EngineConfig(**options) picks."""
     config = EngineConfig(**options)
-    model = quantize_model(_loaded_model(loaded), config.quantization)
+    model, _ = build_engine_model(config, loaded)  # the weights and kernels an engine of `options` computes with
     layout = KVLayout.for_model(loaded.config, 16)
     pages = layout.num_groups * (len(tokens) // 16 + 2)
     kv_dtype = config.torch_kv_dtype
@@ -136,12 +137,6 @@ def needle(llm: LLM) -> tuple[bool, str]:
     prompt = f"{filler}{NEEDLE} {filler}Question: what is the code for the blue locker?\nAnswer: The code for the blue locker is"
     reply = llm.generate(prompt, max_tokens=8, temperature=0.0)[0].text
     return "4719" in reply, reply
-
-
-def _loaded_model(loaded) -> CausalLM:  # noqa: ANN001 - LoadedModel
-    model = build_model(loaded.config)
-    model.load_weights(loaded.tensors)
-    return model
 
 
 def main() -> None:

@@ -15,8 +15,8 @@ from kiln.kv.codec import CODECS
 from kiln.kv.policy import POLICIES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# How the projections and the LM head are stored (kiln/models/quant.py); "auto" picks per machine.
-QUANTIZATIONS = ("auto", "int8")
+# How the projections and the LM head are stored and computed; "auto" picks per machine.
+QUANTIZATIONS = ("auto", "gguf", "int8")
 SPECULATIVE_METHODS = ("ngram",)  # kiln/engine/speculative.py
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -26,11 +26,13 @@ class EngineConfig:
     model: str | None = None  # a name (kiln/models/catalog.py), HF-style directory or .gguf file; None = gemma3-270m
     device: str = "cpu"
     dtype: str = "float32"  # weights and activations
-    # int8 projections and LM head (kiln/models/quant.py). CPU decode is bound by reading weights: int8
-    # reads a quarter of fp32's bytes (bench/weight_formats.py measures its speed and perplexity). None is
-    # the exact path in `dtype`, the reference of the parity tests. "auto": int8 where Kiln's CPU kernels run
-    # (kiln/kernels: an AVX2 CPU, built and loaded) and dtype is float32, else None. "int8" on the CPU without
-    # the kernels is refused, naming why they are unavailable.
+    # How projections and the LM head are computed. CPU decode is bound by reading weights. "gguf": a GGUF
+    # file's quantised blocks as the file stores them (kiln/models/gguf_blocks.py: no second rounding, no
+    # converted copy), other layers (float tensors, 2- and 3-bit types) as int8; "int8": every layer re-quantised
+    # to int8 (kiln/models/quant.py; a quarter of fp32's bytes). None is the exact path in `dtype`, the
+    # reference of the parity tests. "auto": "gguf" where Kiln's CPU kernels run (kiln/kernels: an AVX2 CPU,
+    # built and loaded) and dtype is float32, else None. Either format on the CPU without the kernels is
+    # refused, naming why they are unavailable.
     quantization: str | None = "auto"
     # Bit-identical logits for a sequence whatever shares its batch, however its prefill is chunked, and
     # whether computed incrementally or at once: batch-invariant kernels for every matmul and attention.
@@ -121,7 +123,7 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             problems.append(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {self.quantization!r}")
         elif self.quantization == "auto":
-            object.__setattr__(self, "quantization", "int8" if on_cpu and self.dtype == "float32" and kernels_supported() else None)
+            object.__setattr__(self, "quantization", "gguf" if on_cpu and self.dtype == "float32" and kernels_supported() else None)
         elif self.quantization is not None and on_cpu and self.dtype != "float32":
             problems.append(f"quantization {self.quantization!r} on the CPU takes float32 activations; got dtype {self.dtype!r}")
         elif self.quantization is not None and on_cpu and not kernels_supported():

@@ -17,6 +17,9 @@ import sys
 
 WAIT_POLICY = "OMP_WAIT_POLICY"
 _SET_TOO_LATE = "torch" in sys.modules and WAIT_POLICY not in os.environ  # this module loads with `kiln`
+# Whether the setting is Kiln's own: child processes inherit the environment, and another program's OpenMP
+# (llama.cpp's, say) would sleep at every barrier under it (bench/common.py peer_environment).
+SET_BY_KILN = WAIT_POLICY not in os.environ
 os.environ.setdefault(WAIT_POLICY, "PASSIVE")
 
 logger = logging.getLogger(__name__)

@@ -4,6 +4,7 @@ Gemma norms stored as 1 + w, shapes innermost first, tensors under llama.cpp's n
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 import gguf
@@ -123,14 +124,17 @@ def write_gguf(
     arch: str,
     config: ModelConfig,
     tensors: dict[str, torch.Tensor],
-    quantize: bool = False,
+    quantize: bool | str = False,
+    keep_float: Collection[str] = (),
     rope_freqs: np.ndarray | None = None,
     original_context: int | None = None,
     metadata: dict[str, object] | None = None,
     name: str | None = None,
 ) -> None:
     """A GGUF of `tensors` (HF names) with `config`'s metadata and `metadata`'s keys. quantize: matrices
-    as Q8_0."""
+    as Q8_0 (True) or as the GGML type it names (one gguf-py quantises: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), but
+    for those named in `keep_float`."""
+    qtype = gguf.GGMLQuantizationType[quantize if isinstance(quantize, str) else "Q8_0"]
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(name or f"tiny {arch}")
     writer.add_context_length(config.max_position_embeddings)
@@ -177,12 +181,8 @@ def write_gguf(
         writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     for name, tensor in stack_experts(tensors).items():
         data = llama_cpp_tensor(name, tensor, arch, config)
-        if quantize and data.ndim >= 2 and ".mlp.gate." not in name:  # routers stay F32, as llama.cpp's
-            writer.add_tensor(
-                gguf_name(name, arch),
-                gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
-                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
-            )
+        if quantize and data.ndim >= 2 and ".mlp.gate." not in name and name not in keep_float:  # routers stay F32
+            writer.add_tensor(gguf_name(name, arch), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name(name, arch), data)
     writer.write_header_to_file()

@@ -58,6 +58,7 @@ from kiln.kv.pages import PageTable
 from kiln.kv.policy import KVPolicy
 from kiln.kv.tiers import PageTiers, TierUsage
 from kiln.models import build_model, quantize_model
+from kiln.models.gguf_blocks import use_file_blocks
 from kiln.models.loader import LoadedModel
 from kiln.models.quant import quantized_file
 from kiln.openmp import warn_if_set_too_late
@@ -93,8 +94,7 @@ def build_engine_model(config: EngineConfig, loaded: LoadedModel) -> tuple[torch
     embeddings stay in their file where they serve lookups only: no float32 copy of the model is ever
     resident whole (docs/architecture.md § Memory)."""
     model = build_model(loaded.config, dtype=config.torch_dtype, device=config.device)
-    quantized = config.quantization
-    kernel_weights = quantized is not None or config.deterministic
+    kernel_weights = config.quantization is not None or config.deterministic
     table = loaded.stored_rows(EMBEDDINGS)
     mapped = model.can_map_embeddings(table, head_quantised=kernel_weights)
     skip = (model.linear_parameters() if kernel_weights else set()) | ({EMBEDDINGS} if mapped else set())
@@ -103,9 +103,17 @@ def build_engine_model(config: EngineConfig, loaded: LoadedModel) -> tuple[torch
     model.load_weights(loaded.tensors, skip=skip)
     if mapped:
         model.map_embeddings(table)
-    cache_file = quantized_file(loaded.cache_entry, quantized) if loaded.cache_entry and quantized else None
-    quantize_model(model, quantized, batch_invariant=config.deterministic, cache_file=cache_file, tensors=loaded.tensors)
-    weights = f"{dtype_name(config.torch_dtype)}/{quantized or 'exact'}" + ("/deterministic" if config.deterministic else "")
+    in_blocks = use_file_blocks(model, loaded.tensors) if config.quantization == "gguf" else 0
+    # Layers the file's blocks do not serve (all of them but for "gguf" on a GGUF file of block types) as
+    # int8, cached apart when beside blocks, since the cache then holds only some layers.
+    left = not in_blocks or not model.head_computes or any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    quantized = "int8" if config.quantization else None
+    if left:
+        cached = quantized and (f"{quantized}-beside-blocks" if in_blocks else quantized)
+        cache_file = quantized_file(loaded.cache_entry, cached) if loaded.cache_entry and cached else None
+        quantize_model(model, quantized, batch_invariant=config.deterministic, cache_file=cache_file, tensors=loaded.tensors)
+    formats = ("gguf+int8" if left else "gguf") if in_blocks else quantized or "exact"
+    weights = f"{dtype_name(config.torch_dtype)}/{formats}" + ("/deterministic" if config.deterministic else "")
     if config.fused_kernels:
         model.use_kernels()
         weights += "/fused"

@@ -4,7 +4,8 @@ machine's C++ compiler, and the one place that decides whether they are used.
 Shipped as sources (package data) and built at first use, not at install time: the build needs the exact
 PyTorch the process runs (its headers and ABI) and this CPU's instruction set (-mavx2), which a wheel built
 elsewhere cannot promise; and where no compiler works, Kiln still runs on PyTorch ops instead of failing to
-install. The build happens once per machine and is shared by every checkout and installed copy of the same
+install. One build serves every AVX2 CPU: the functions that gain from AVX-512 VNNI are compiled a second
+time for it and chosen at load from cpuid (isa.h). The build happens once per machine and is shared by every checkout and installed copy of the same
 sources (build.py: how, and why a killed start can never make a later one wait).
 
 `supported()` is the question every caller asks: an AVX2 CPU and a library that loaded. When the answer is
@@ -43,7 +44,8 @@ def unavailable_reason() -> str | None:
 
 
 def kernels() -> ModuleType:
-    """The compiled extension: linear_f32, linear_int8, unpack (linear.cpp), paged_attention,
+    """The compiled extension: linear_f32, linear_int8, unpack (linear.cpp), linear_blocks (blocks.cpp),
+    isa, use_isa, cpu_has_avx512_vnni (isa.h: the instruction-set path), paged_attention,
     paged_attention_coded (attention.cpp), rms_norm, residual_norm, qk_norm_rope (norms.cpp),
     gated_activation (activations.cpp), argmax_rows (argmax.cpp), store_kv (kv_store.cpp), page_format
     (page_format.h). Callers check `supported()` first; without it, UnavailableError names the cause."""

@@ -14,6 +14,7 @@
 // the call and nothing else.
 #include <torch/extension.h>
 
+#include "isa.h"
 #include "kernels.h"
 #include "page_format.h"
 
@@ -62,6 +63,10 @@ auto released_when_long(Result (*kernel)(Args...), Work work, int64_t threshold)
 
 // Rows x weight elements, for linear_f32 and linear_int8 (packed or not, w holds N x K elements).
 const auto linear_work = [](const torch::Tensor& x, const torch::Tensor& w, const auto&...) { return rows(x) * w.numel(); };
+// Rows x N x K for linear_blocks.
+const auto blocks_work = [](const torch::Tensor& x, const torch::Tensor&, const torch::Tensor&, const auto&, const auto&, int64_t N) {
+  return x.numel() * N;
+};
 // Query elements x the key positions a block table row spans (its width x the page size), raw and coded.
 const auto attention_work = [](const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&,
                                const torch::Tensor& block_table, const auto&...) {
@@ -102,6 +107,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "batch-invariant float32 linear, packed weights (linear.cpp)");
   m.def("linear_int8", released_when_long(&linear_int8, linear_work, kLinearReleaseWork),
         "weight-only int8 linear, packed weights and per-row scales (linear.cpp)");
+  m.def("linear_blocks", released_when_long(&linear_blocks, blocks_work, kLinearReleaseWork),
+        "linear over GGUF block-quantised weights as stored (blocks.cpp)");
+  m.def("isa", [] { return kiln::isa_name(kiln::active_isa()); }, "the instruction-set path the kernels take (isa.h)");
+  m.def("cpu_has_avx512_vnni", [] { return kiln::cpu_has(kiln::Isa::kAvx512Vnni); }, "whether this CPU runs the AVX-512 VNNI path");
+  m.def("use_isa", &kiln::use_isa, "take the path named avx2 or avx512_vnni from now on; returns the previous one's name");
   m.def("unpack", &unpack, "packed weights -> row-major float32 (linear.cpp)", py::call_guard<py::gil_scoped_release>());
   m.def("page_format", &page_format, "the page format's constants (page_format.h), for page_format.py to match");
 }

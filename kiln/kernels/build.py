@@ -167,6 +167,8 @@ def _work_directory(home: Path) -> Iterator[Path]:
 def _remove_dead_builds(home: Path) -> None:
     """Build directories whose process is gone (killed mid-build): never finished, never to be."""
     for work in home.glob("build-*"):
+        if not work.is_dir():  # build-failure.log
+            continue
         try:
             fd = os.open(work / "owner.lock", os.O_RDWR)
         except FileNotFoundError:  # killed before it took the lock
@@ -196,6 +198,7 @@ def _build(module: str, source_dir: Path, library: Path) -> ModuleType:
         except Exception as error:  # a compiler error, no ninja, a failed link or load: all mean "not here"
             raise UnavailableError(f"could not build Kiln's CPU kernels: {_summary(error, library.parent)}") from error
         _publish(work / library.name, library)
+    (library.parent / "build-failure.log").unlink(missing_ok=True)  # an earlier failure's, now stale
     _say(f"compiled Kiln's CPU kernels in {time.monotonic() - started:.0f} s")
     return _import(module, library)
 

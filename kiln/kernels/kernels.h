@@ -17,6 +17,10 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> bias);
 torch::Tensor unpack(torch::Tensor w, c10::optional<torch::Tensor> scale, int64_t N, torch::Tensor out);
 
+// blocks.cpp
+torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor data, torch::Tensor segments, c10::optional<torch::Tensor> columns,
+                            c10::optional<torch::Tensor> bias, int64_t N);
+
 // attention.cpp
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor block_table,
                               torch::Tensor first_pos, torch::Tensor row_seq, torch::Tensor row_pos, int64_t window,

@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "isa.h"
 #include "kernels.h"
 #include "pool.h"
 #include "vec_math.h"
@@ -131,9 +132,7 @@ void quantize_rows(const float* x, int64_t K, int64_t levels, int64_t begin, int
       top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v));
       nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     }
-    __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(half, _mm_shuffle_ps(half, half, 1)));
+    const float amax = kiln::horizontal_max(top);
     const float inverse = amax > 0.0f ? static_cast<float>(levels) / amax : 0.0f;
     s[m] = _mm256_movemask_ps(nan) ? std::numeric_limits<float>::quiet_NaN() : amax / static_cast<float>(levels);
     const __m256 by = _mm256_set1_ps(inverse);
@@ -167,11 +166,17 @@ inline __m256i row_sums(const __m256i* acc) {
 // accumulators, inputs and weights already in the 16 registers, it spilled an accumulator to the stack and
 // copied the others back each step. As one asm unit, a tile with its weights in cache comes close to the
 // rate of a loop of bare multiply-adds and adds.
+// With AVX-512 VNNI (isa.h) the pair is one instruction, vpdpwssd, with the same exact result.
+template <bool vnni>
 inline __m256i madd_accumulate(__m256i acc, __m256i w, __m256i x) {
-  __m256i products;
-  asm("vpmaddwd %[x], %[w], %[products]\n\tvpaddd %[products], %[acc], %[acc]"
-      : [acc] "+x"(acc), [products] "=&x"(products)
-      : [w] "x"(w), [x] "x"(x));
+  if constexpr (vnni) {
+    asm("%{evex%} vpdpwssd %[x], %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "v"(x));
+  } else {
+    __m256i products;
+    asm("vpmaddwd %[x], %[w], %[products]\n\tvpaddd %[products], %[acc], %[acc]"
+        : [acc] "+x"(acc), [products] "=&x"(products)
+        : [w] "x"(w), [x] "x"(x));
+  }
   return acc;
 }
 
@@ -179,7 +184,7 @@ inline __m256i madd_accumulate(__m256i acc, __m256i w, __m256i x) {
 // holds, for each 8 columns, row n's 8 values and then row n + 1's: one 16-byte load widened to int16
 // meets the input's 8 codes broadcast to both halves, so one accumulator carries two output rows (row n in
 // its low 4 lanes, n + 1 in its high 4). Never inlined, for the reason `tile` gives.
-template <int64_t inputs, int64_t pairs>
+template <bool vnni, int64_t inputs, int64_t pairs>
 __attribute__((noinline)) void int8_tile(const Packed<int8_t>& W, const float* w_scale, const QuantizedInput& X, float* y,
                                          const float* bias, int64_t N, int64_t m0, int64_t n0) {
   const int64_t K = W.K;
@@ -193,7 +198,7 @@ __attribute__((noinline)) void int8_tile(const Packed<int8_t>& W, const float* w
       xv[i] = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(X.q + (m0 + i) * K + k)));
     for (int64_t p = 0; p < pairs; ++p) {
       const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(W.at(n0 + 2 * p, k))));
-      for (int64_t i = 0; i < inputs; ++i) acc[i][p] = madd_accumulate(acc[i][p], wv, xv[i]);
+      for (int64_t i = 0; i < inputs; ++i) acc[i][p] = madd_accumulate<vnni>(acc[i][p], wv, xv[i]);
     }
   }
   // Masked loads and stores only for a partial last block: they cost several times plain ones on AMD.
@@ -219,15 +224,16 @@ __attribute__((noinline)) void int8_tile(const Packed<int8_t>& W, const float* w
 
 // Input rows [m0, m1) against the block of rows n0..: groups of 4 inputs x 4 rows, then 3 inputs x 4 rows or
 // 2 or 1 inputs x 8 rows (accumulators, inputs and a weight vector all in the 16 registers).
+template <bool vnni>
 inline void int8_tiles(const Packed<int8_t>& W, const float* w_scale, const QuantizedInput& X, float* y, const float* bias,
                        int64_t N, int64_t m0, int64_t m1, int64_t n0) {
   int64_t m = m0;
   for (; m1 - m >= 4; m += 4)
-    for (int64_t r = 0; r < kBlock; r += 4) int8_tile<4, 2>(W, w_scale, X, y, bias, N, m, n0 + r);
+    for (int64_t r = 0; r < kBlock; r += 4) int8_tile<vnni, 4, 2>(W, w_scale, X, y, bias, N, m, n0 + r);
   if (m1 - m == 3)
-    for (int64_t r = 0; r < kBlock; r += 4) int8_tile<3, 2>(W, w_scale, X, y, bias, N, m, n0 + r);
-  if (m1 - m == 2) int8_tile<2, 4>(W, w_scale, X, y, bias, N, m, n0);
-  if (m1 - m == 1) int8_tile<1, 4>(W, w_scale, X, y, bias, N, m, n0);
+    for (int64_t r = 0; r < kBlock; r += 4) int8_tile<vnni, 3, 2>(W, w_scale, X, y, bias, N, m, n0 + r);
+  if (m1 - m == 2) int8_tile<vnni, 2, 4>(W, w_scale, X, y, bias, N, m, n0);
+  if (m1 - m == 1) int8_tile<vnni, 1, 4>(W, w_scale, X, y, bias, N, m, n0);
 }
 
 // Input rows per pass over a thread's blocks: their codes (64 x K int16, 80-256 KiB here) stay in L2 while
@@ -255,9 +261,13 @@ torch::Tensor run_int8(const Packed<int8_t>& W, const float* w_scale, const torc
   float* yp = y.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   const int64_t blocks = (N + kBlock - 1) / kBlock;
+  const bool vnni = kiln::active_isa() == kiln::Isa::kAvx512Vnni;
   kiln::SpinPool::run(blocks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += kInputChunk)
-      for (int64_t b = begin; b < end; ++b) int8_tiles(W, w_scale, X, yp, bp, N, m0, std::min(M, m0 + kInputChunk), b * kBlock);
+      for (int64_t b = begin; b < end; ++b) {
+        if (vnni) int8_tiles<true>(W, w_scale, X, yp, bp, N, m0, std::min(M, m0 + kInputChunk), b * kBlock);
+        else int8_tiles<false>(W, w_scale, X, yp, bp, N, m0, std::min(M, m0 + kInputChunk), b * kBlock);
+      }
   });
   auto shape = x.sizes().vec();
   shape.back() = N;

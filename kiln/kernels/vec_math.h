@@ -1,5 +1,5 @@
-// Vector helpers the kernels share: exp over 8 floats (activations, attention weights), a fixed-order
-// horizontal sum, masks for partial vectors.
+// Vector helpers the kernels share: exp over 8 floats (activations, attention weights), fixed-order
+// horizontal sums and max, masks for partial vectors.
 //
 // exp256: the usual Cody-Waite reduction to r in [-ln2 / 2, ln2 / 2] (ln 2 in two parts, the first exact) and a
 // degree-6 polynomial, scaled by 2^n through the exponent bits: about 1 ulp. Below -87.33 (where exp
@@ -33,6 +33,18 @@ inline float horizontal_sum(__m256 v) {
   sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
   sum = _mm_add_ss(sum, _mm_shuffle_ps(sum, sum, 1));
   return _mm_cvtss_f32(sum);
+}
+
+inline float horizontal_max(__m256 v) {
+  __m128 top = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  top = _mm_max_ps(top, _mm_movehl_ps(top, top));
+  return _mm_cvtss_f32(_mm_max_ss(top, _mm_shuffle_ps(top, top, 1)));
+}
+
+inline int32_t horizontal_sum_i32(__m256i v) {
+  __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  sum = _mm_add_epi32(sum, _mm_unpackhi_epi64(sum, sum));
+  return _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32(sum, 1)));
 }
 
 // Lanes [0, n) set, n in [0, 8]: the mask of a partial last vector for maskload / maskstore (which cost more

@@ -16,7 +16,6 @@ from kiln.kernels import kernels
 from kiln.models.config import ModelConfig
 from kiln.models.file_embedding import FileEmbedding, StoredRows
 from kiln.models.layers import Attention, GatedMLP, HFSource, RMSNorm
-from kiln.models.quant import QuantizedLinear
 from kiln.models.tensor_source import shapes_of
 
 
@@ -41,7 +40,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = model
-        # None when tied to the embeddings; a QuantizedLinear once quantize_model has quantised the head.
+        # None when tied to the embeddings; a kernel layer (QuantizedLinear, BlockLinear) once given one.
         self.lm_head: nn.Module | None = (
             None
             if config.tie_word_embeddings
@@ -57,7 +56,7 @@ class CausalLM(nn.Module):
         W @ h^T (bench/README.md § Design figures). The contiguous W^T is a second copy of the matrix, kept
         on CPU only, where batch-1 decode is the common case (an agent's session). A quantised head
         (kiln.models.quant) has its own kernel and needs no copy."""
-        if isinstance(self.lm_head, QuantizedLinear):
+        if self.head_computes:
             return self.lm_head(hidden)
         weight = self.head_weight
         if hidden.shape[0] == 1 and weight.device.type == "cpu":
@@ -69,13 +68,19 @@ class CausalLM(nn.Module):
         """The fp32 (or model dtype) [vocab, hidden] LM head matrix: the embedding table when tied."""
         if self.lm_head is None:
             return self.model.embed_tokens.weight
-        if isinstance(self.lm_head, QuantizedLinear):
-            raise RuntimeError("the LM head is quantised: its float32 matrix is gone")
+        if self.head_computes:
+            raise RuntimeError("the LM head is a kernel layer: its float32 matrix is gone")
         return self.lm_head.weight
 
-    def use_head(self, head: QuantizedLinear) -> None:
-        """Compute logits with `head` (quantize_model's copy of the head matrix) from now on. An untied
-        fp32 head and the transposed copy are dropped; a tied embedding table stays for lookups."""
+    @property
+    def head_computes(self) -> bool:
+        """Whether logits come from a kernel layer of the head's own (use_head), not the float matrix."""
+        return self.lm_head is not None and not isinstance(self.lm_head, nn.Linear)
+
+    def use_head(self, head: nn.Module) -> None:
+        """Compute logits with `head` (a kernel layer over the head matrix: quantize_model's copy, or the
+        file's blocks) from now on. An untied fp32 head and the transposed copy are dropped; a tied
+        embedding table stays for lookups."""
         self.lm_head = head
         self._head_t = None
 
@@ -133,7 +138,7 @@ class CausalLM(nn.Module):
         parameters named in `skip` (filled otherwise: quantised from the tensors one by one, or looked up
         in the file). Raises InvalidArgumentError, before changing anything, on missing or unexpected
         names or wrong shapes."""
-        plan = self._hf_plan()
+        plan = self.hf_plan()
         expected = {source.name for sources in plan.values() for source in sources}
         missing, unexpected = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
         if missing or unexpected:
@@ -150,7 +155,7 @@ class CausalLM(nn.Module):
     def load_parameters(self, tensors: Mapping[str, torch.Tensor], names: Collection[str]) -> None:
         """Fill parameters `names` from the HF-named tensors that make them up (load_weights checked them),
         reading each tensor once."""
-        plan = self._hf_plan()
+        plan = self.hf_plan()
         params = dict(self.named_parameters())
         self._head_t = None  # the transposed LM head copy is rebuilt from the new weights
         with torch.no_grad():
@@ -160,7 +165,7 @@ class CausalLM(nn.Module):
                     params[name][row : row + source.rows].copy_(tensors[source.name])
                     row += source.rows
 
-    def _hf_plan(self) -> dict[str, tuple[HFSource, ...]]:
+    def hf_plan(self) -> dict[str, tuple[HFSource, ...]]:
         """Each parameter's name -> the HF tensors filling it, row block by row block. A checkpoint that
         fuses projections as Kiln does (config.fused_checkpoint: Phi-3) fills each parameter from one tensor."""
         fused: dict[str, tuple[HFSource, ...]] = {}

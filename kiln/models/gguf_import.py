@@ -35,7 +35,7 @@ from kiln.errors import InvalidArgumentError
 from kiln.models.config import LayerType, ModelConfig, MoEConfig, RopeScaling
 from kiln.models.file_embedding import StoredRows
 from kiln.models.hf_config import GEMMA3_LOCAL_ROPE_THETA
-from kiln.models.tensor_source import StoredTensor, TensorSource
+from kiln.models.tensor_source import FileBlocks, StoredTensor, TensorSource
 from kiln.tokenizer import Tokenizer
 
 SUPPORTED_ARCHITECTURES = (
@@ -165,7 +165,11 @@ def gguf_tensor_source(path: Path, table: GGUFTensors, config: ModelConfig) -> T
         if name == _EMBEDDINGS and len(tensor.shape) == 2:
             decode = partial(_dequantize_rows, ggml_type=tensor.ggml_type)
             rows = StoredRows(path, tensor.offset, tensor.shape[0], tensor.shape[1], tensor.n_bytes // tensor.shape[0], decode)
-        stored[name] = StoredTensor(tensor.shape, read, rows)
+        blocks = None
+        if len(tensor.shape) == 2:
+            order = _stored_row_order(name, tensor.shape[0], table.architecture, config)
+            blocks = FileBlocks(path, tensor.offset, tensor.shape[0], tensor.ggml_type, order)
+        stored[name] = StoredTensor(tensor.shape, read, rows, blocks)
     return TensorSource(stored)
 
 
@@ -458,6 +462,14 @@ def _restore(name: str, weight: np.ndarray, arch: str, config: ModelConfig) -> n
     if arch in _ROPE_PERMUTED and ".k_proj." in name:
         return _unpermute_rope(weight, config.num_kv_heads)
     return weight
+
+
+def _stored_row_order(name: str, rows: int, arch: str, config: ModelConfig) -> tuple[int, ...] | None:
+    """For each checkpoint row of matrix `name`, the stored row holding it (None: stored in order)."""
+    if arch not in _ROPE_PERMUTED or not (".q_proj." in name or ".k_proj." in name):
+        return None
+    heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
+    return tuple(_unpermute_rope(np.arange(rows).reshape(rows, 1), heads).ravel().tolist())
 
 
 def _unpermute_rope(weight: np.ndarray, heads: int) -> np.ndarray:

@@ -81,7 +81,7 @@ class LoadedModel:
         if self.cache_entry is None or not self.source.is_file() or weight_cache.has_weights(self.cache_entry):
             return
         weight_cache.write_weights(self.cache_entry, self.tensors)
-        self.tensors = weight_cache.read_weights(self.cache_entry)
+        self.tensors = weight_cache.read_weights(self.cache_entry).with_blocks_of(self.tensors)
 
 
 def load_model(source: str | Path | None = None, cache_dir: Path | None = None) -> LoadedModel:
@@ -114,7 +114,9 @@ def _load_gguf(path: Path, cache: Path) -> LoadedModel:
         config, table, tokenizer = read_gguf(path)
         _checked(gguf_tensor_source(path, table, config), config, path)  # refused before it is cached
         weight_cache.write_entry(cache, key, config, table, tokenizer)
-    tensors = weight_cache.read_weights(entry) if weight_cache.has_weights(entry) else gguf_tensor_source(path, table, config)
+    tensors = gguf_tensor_source(path, table, config)
+    if weight_cache.has_weights(entry):  # read faster than dequantised, and still computable as blocks
+        tensors = weight_cache.read_weights(entry).with_blocks_of(tensors)
     return LoadedModel(config, _checked(tensors, config, path), tokenizer, path, key, entry)
 
 

@@ -147,6 +147,7 @@ def quantize_model(
     # Names, not modules: a replaced nn.Linear must become garbage at once, or every float32 matrix read
     # for quantising stays resident until the end (a 1.7B model's first load peaked at 9 GB so).
     names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    head_pending = not model.head_computes  # a head already computing (the file's blocks) is left as it is
     stored = load_file(cache_file) if cache_file is not None and fmt != "float32" and cache_file.exists() else None
     built: dict[str, QuantizedLinear] = {}
     layers: Iterable[str] = names
@@ -161,11 +162,12 @@ def quantize_model(
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, built[name])
     head_name = "lm_head" if model.lm_head is not None else "tied_lm_head"
-    if head_name not in built:
+    if head_pending and head_name not in built:
         built[head_name] = _stored_layer(stored, head_name, fmt) or _tied_head(model, fmt)
     if cache_file is not None and fmt != "float32" and stored is None:
         save_atomically(cache_file, {f"{name}.{key}": t for name, m in built.items() for key, t in m.state_dict().items()})
-    model.use_head(built[head_name])
+    if head_pending:
+        model.use_head(built[head_name])
     return model
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,13 +33,27 @@ _ROW_DECODERS: dict[str, RowDecoder] = {
 
 
 @dataclass(frozen=True)
+class FileBlocks:
+    """A matrix as a GGUF file stores it: `rows` rows of GGML type `ggml_type` from byte `offset` of `path`
+    (kiln/models/gguf_blocks.py computes with them there). `row_order[r]` is the stored row holding the
+    checkpoint's row r, where llama.cpp's converter reordered them (None: the same order)."""
+
+    path: Path
+    offset: int
+    rows: int
+    ggml_type: int
+    row_order: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
 class StoredTensor:
-    """One tensor of a source: its torch shape, how to read it (float32), and its rows when the file
-    stores it as a matrix of rows that decode on their own."""
+    """One tensor of a source: its torch shape, how to read it (float32), its rows when the file stores
+    it as a matrix of rows that decode on their own, and its blocks when a GGUF file stores it."""
 
     shape: tuple[int, ...]
     read: Callable[[], torch.Tensor]
     rows: StoredRows | None = None
+    blocks: FileBlocks | None = None
 
 
 class TensorSource(Mapping[str, torch.Tensor]):
@@ -67,6 +81,16 @@ class TensorSource(Mapping[str, torch.Tensor]):
         """Where matrix `name` lies row by row, or None when its file does not store it so."""
         stored = self._stored.get(name)
         return None if stored is None else stored.rows
+
+    def blocks(self, name: str) -> FileBlocks | None:
+        """Where matrix `name` lies as a GGUF file's blocks, or None when it does not."""
+        stored = self._stored.get(name)
+        return None if stored is None else stored.blocks
+
+    def with_blocks_of(self, other: TensorSource) -> TensorSource:
+        """These tensors, each with `other`'s blocks of the same name (a GGUF file's, beside its float32
+        conversion kept in the weight cache)."""
+        return TensorSource({name: replace(stored, blocks=other.blocks(name)) for name, stored in self._stored.items()})
 
     def renamed(self, rename: Callable[[str], str]) -> TensorSource:
         return TensorSource({rename(name): stored for name, stored in self._stored.items()})

@@ -288,7 +288,8 @@ tools in its own format. One server serves one model: start a second one for it 
   .venv/bin/python - <<'PY'
 {imports}import openai
 {openai_setup}client = openai.OpenAI(base_url="{instruct_url}/v1", api_key={key}{openai_tls})
-ask = [{{"role": "user", "content": "What is the capital of France?"}}]
+ask = [{{"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}},
+       {{"role": "user", "content": "What is the capital of France?"}}]
 print(client.chat.completions.create(model="{INSTRUCT_MODEL}", messages=ask, temperature=0).choices[0].message.content)
 weather = {{"type": "function", "function": {{"name": "get_weather", "parameters": {{
     "type": "object", "required": ["city"], "properties": {{"city": {{"type": "string"}}}}}}}}}}

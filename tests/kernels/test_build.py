@@ -40,8 +40,9 @@ class ColdStart:
 
 def plant_stale_locks(extensions: Path, home: Path) -> None:
     """What dead starts leave: PyTorch's own build lock where its builder kept it (the lock that hung every
-    later start), a build lock file naming a dead holder, and a dead process's half-done build directory
-    with PyTorch's lock inside."""
+    later start), a build lock file naming a dead holder, a dead process's half-done build directory
+    with PyTorch's lock inside, and an earlier failed build's log (whose name a dead build's directory's
+    pattern also matches: the next build once failed on it)."""
     (extensions / home.name).mkdir(parents=True)
     (extensions / home.name / "lock").touch()
     home.mkdir(parents=True)
@@ -51,6 +52,7 @@ def plant_stale_locks(extensions: Path, home: Path) -> None:
     leftover.mkdir()
     (leftover / "lock").touch()
     (leftover / "linear.o").write_bytes(b"half an object file")
+    (home / "build-failure.log").write_text("an earlier failed build's compiler output\n")
 
 
 def compiler_without_openmp(directory: Path) -> str:

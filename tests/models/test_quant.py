@@ -190,8 +190,8 @@ def test_cli_flags_mirror_the_config() -> None:
         parser.parse_args(["--quantization", "int4"])
 
 
-def test_default_is_int8_on_this_cpu_and_none_is_exact() -> None:
-    assert EngineConfig().quantization == "int8"
+def test_default_is_the_gguf_format_on_this_cpu_and_none_is_exact() -> None:
+    assert EngineConfig().quantization == "gguf"  # the file's blocks where it has them, int8 elsewhere
     assert EngineConfig(quantization=None).quantization is None
     assert EngineConfig(dtype="bfloat16").quantization is None  # auto: the kernels take float32
 
@@ -210,7 +210,7 @@ def test_kv_pages_are_float16_with_quantised_weights_and_exact_without() -> None
 
 
 def test_bad_names_and_combinations_are_refused_before_loading() -> None:
-    with pytest.raises(InvalidArgumentError, match=r"quantization must be one of \['auto', 'int8'\] or None, got 'int4'"):
+    with pytest.raises(InvalidArgumentError, match=r"quantization must be one of \['auto', 'gguf', 'int8'\] or None, got 'int4'"):
         EngineConfig(quantization="int4")
     with pytest.raises(InvalidArgumentError, match="quantization 'int8' on the CPU takes float32"):
         EngineConfig(quantization="int8", dtype="bfloat16")

@@ -161,11 +161,13 @@ def test_a_required_tool_call_is_a_function_call_and_its_output_continues(served
                                         max_output_tokens=30, temperature=0))
     assert "18" in answer.output_text
     assert answer.usage.input_tokens_details.cached_tokens == history(calling) - 1
-    # the same conversation sent whole, as an agent without previous_response_id does: a new session
+    # the same conversation sent whole, as an agent without previous_response_id does: a new session over the
+    # same prompt (its tokens computed as one prefill, not generated one by one: equal text is only promised
+    # in the deterministic mode)
     whole = oai.responses.create(model=MODEL, input=[{"role": "user", "content": "What is the weather in Paris?"},
                                                      call.to_dict(), result], tools=[WEATHER], max_output_tokens=30,
                                  temperature=0)
-    assert whole.output_text == answer.output_text
+    assert whole.usage.input_tokens == answer.usage.input_tokens and "18" in whole.output_text
 
 
 def test_json_schema_text_format(served):
