@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -87,3 +87,16 @@ def tiny_llm(tiny_loaded):
     yield make
     for llm in made:
         llm.close()
+
+
+@pytest.fixture(params=["avx2", "avx512_vnni"])
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each instruction-set path of the kernels in turn (kiln/kernels/isa.h), the AVX2 one forced on an
+    AVX-512 host; the AVX-512 VNNI one where the CPU has it."""
+    from kiln.kernels import kernels
+
+    if request.param == "avx512_vnni" and not kernels().cpu_has_avx512_vnni():
+        pytest.skip("this CPU has no AVX-512 VNNI; its path is tested where it has")
+    previous = kernels().use_isa(request.param)
+    yield request.param
+    kernels().use_isa(previous)

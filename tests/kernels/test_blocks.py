@@ -86,15 +86,6 @@ def check_against_reference(x: np.ndarray, raw: np.ndarray, name: str, out: np.n
     assert np.all(np.abs(out - exact) <= input_rounding(x, weight, per) + 2e-5 * scale), name
 
 
-@pytest.fixture(params=PATHS)
-def isa(request: pytest.FixtureRequest) -> str:
-    if request.param == "avx512_vnni" and not kernels().cpu_has_avx512_vnni():
-        pytest.skip("this CPU has no AVX-512 VNNI; its path is tested where it has")
-    previous = kernels().use_isa(request.param)
-    yield request.param
-    kernels().use_isa(previous)
-
-
 @pytest.mark.parametrize("name", TYPES)
 def test_ggml_quantised_rows_compute_as_their_dequantisation(name: str, isa: str) -> None:
     recorded = FIXTURE["types"][name]

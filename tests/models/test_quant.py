@@ -56,7 +56,7 @@ def int8_reference(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 64, 64 + 9, 150])  # every grouping; several input chunks
-def test_int8_kernel_computes_its_stated_arithmetic(rows: int) -> None:
+def test_int8_kernel_computes_its_stated_arithmetic(rows: int, isa: str) -> None:
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(70, 96, generator=gen), torch.randn(70, generator=gen)  # a partial last block of rows
     layer = QuantizedLinear.quantize(weight, bias, "int8")
@@ -72,7 +72,7 @@ def test_int8_kernel_computes_its_stated_arithmetic(rows: int) -> None:
 
 @pytest.mark.parametrize("k", [640, 2048, 4096])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_int8_kernel_sums_cannot_overflow(k: int, sign: float) -> None:
+def test_int8_kernel_sums_cannot_overflow(k: int, sign: float, isa: str) -> None:
     """The largest possible sum: every input at max|x| against every weight at +-127."""
     layer = QuantizedLinear.quantize(torch.full((8, k), sign), None, "int8")
     x = torch.full((2, k), 3.0)
