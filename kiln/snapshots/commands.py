@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 from kiln.errors import FailedPreconditionError, InvalidArgumentError
 from kiln.snapshots import blobs
-from kiln.snapshots.instance import EMBEDDED_INSTANCE, default_directory
+from kiln.snapshots.instance import default_directory, instance_for_model
 from kiln.snapshots.manifest import MAX_MANIFEST_BYTES, Manifest, check_snapshot_id
 from kiln.snapshots.store import SnapshotStore, open_store
 
@@ -30,8 +30,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("snapshot", help="list, inspect, export, import and garbage-collect snapshots")
     parser.add_argument("--snapshot-dir", default=None,
                         help="snapshot directory (default: --instance-id's own, as kiln serve's)")
-    parser.add_argument("--instance-id", default=EMBEDDED_INSTANCE,
-                        help="the `kiln serve` instance whose own snapshot directory to use (kiln/snapshots/instance.py)")
+    parser.add_argument("--instance-id", default=None,
+                        help="the `kiln serve` instance whose own snapshot directory to use (kiln/snapshots/instance.py; "
+                        "default: --model's, as kiln serve names its instance)")
+    parser.add_argument("--model", default=None,
+                        help="the model of the `kiln serve` whose default instance to use, as its --model takes it "
+                        "(default: the embedded gemma3-270m); only its name is resolved, nothing is loaded")
     parser.add_argument("--snapshot-store", default=None, help="snapshot store URL instead (redis://host:port/db)")
     actions = parser.add_subparsers(dest="action", required=True)
     actions.add_parser("list", help="every snapshot in the store")
@@ -54,7 +58,8 @@ COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x2
 
 
 def run(args: argparse.Namespace) -> None:
-    store = open_store(args.snapshot_store or args.snapshot_dir or default_directory(args.instance_id))
+    instance = args.instance_id or instance_for_model(args.model)
+    store = open_store(args.snapshot_store or args.snapshot_dir or default_directory(instance))
     try:
         print(ACTIONS[args.action](store, args))
     finally:

@@ -81,3 +81,16 @@ def test_serve_persists_under_the_data_directory_unless_told_otherwise(monkeypat
     assert code == 2 and "--instance-id names a directory" in capsys.readouterr().err
     code = main(["serve", "--no-persist", "--snapshot-dir", str(tmp_path), "--model", "unused"])
     assert code == 2 and "--no-persist contradicts" in capsys.readouterr().err
+
+
+def test_snapshot_commands_use_the_instance_of_the_model_named(monkeypatch, tmp_path, capsys):
+    """`kiln snapshot --model M` reads the store `kiln serve --model M` keeps by default, as --instance-id would."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    DirectoryStore(default_directory("smollm2-135m-instruct")).save(*synthetic("smollm2-session", [page(1)]))
+    DirectoryStore(default_directory()).save(*synthetic("gemma-session", [page(2)]))
+    code, out, _ = run(capsys, "--model", "smollm2-135m-instruct", "list")
+    assert code == 0 and "smollm2-session" in out and "gemma-session" not in out
+    code, out, _ = run(capsys, "list")  # the embedded default model's instance
+    assert code == 0 and "gemma-session" in out and "smollm2-session" not in out
+    code, _, err = run(capsys, "--model", "no-such-model", "list")
+    assert code == 2 and "no-such-model" in err
