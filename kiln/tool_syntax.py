@@ -1,21 +1,26 @@
 """How a model writes tool calls: one syntax per model family, chosen from its chat template or vocabulary.
 
 A reply that calls tools is `opening`, then calls separated by `separator`, then `closing`; each call
-is `call_open`, a JSON object {"name": ..., <arguments_key>: {...}}, `call_close`:
+is `call_open`, a JSON object {"name": ..., <arguments_key>: {...}} (or, where the family writes the name
+outside the object, the name, `name_separator` and the arguments' object), `call_close`:
 
 - hermes (Qwen 2.5 / Qwen 3, Hermes, SmolLM3, and Kiln's own format for models without one):
   `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, one block per call;
 - llama3 (Llama 3.1 / 3.2): the bare object with "parameters", calls separated by "; ", optionally
   after `<|python_tag|>` (read, never written);
-- mistral: `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`;
+- mistral (Mistral 7B v0.3, Nemo, Small 3.1): `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`;
+- mistral-args (Mistral Small 3.2, Ministral 3, Magistral, Devstral: their `[ARGS]` control token):
+  `[TOOL_CALLS]f[ARGS]{...}` per call, no separator;
 - phi4 (Phi-4-mini): `<|tool_call|>{"name": "f", "arguments": {...}}<|/tool_call|>`, one per call.
 
-`SYNTAXES` is the one table: the first syntax one of whose markers is in the chat template, or is a
-token of the vocabulary, is the model's; a model with neither writes hermes (`KILN`).
+`SYNTAXES` is the one table: the first syntax one of whose markers is in the chat template, or all of
+whose control tokens are in the vocabulary, is the model's; a model with neither writes hermes (`KILN`).
 """
 
 from __future__ import annotations
 
+import functools
+import re
 import secrets
 import string
 from collections.abc import Callable, Sequence
@@ -23,7 +28,9 @@ from dataclasses import dataclass
 
 from kiln.tokenizer import Tokenizer
 
-CALL_HEADER = '{"name": "'  # how every syntax's call object begins: a reply that gets here is a call
+CALL_HEADER = '{"name": "'  # how a call object begins: a reply that gets here is a call
+NAME_PATTERN = "[A-Za-z0-9_-]+"
+_OBJECT_HEADER = re.compile(rf'\{{"name": "({NAME_PATTERN})", "(?:arguments|parameters)": ')
 _ID_ALPHABET = string.ascii_letters + string.digits
 
 
@@ -43,6 +50,20 @@ class ToolSyntax:
     read_prefixes: tuple[str, ...] = ()  # what may precede `opening` in a reply without being written by Kiln
     special: tuple[str, ...] = ()
     call_id_length: int = 0  # > 0: the family's templates demand call ids of exactly this many letters and digits
+    name_separator: str = ""  # set: the name is written before the arguments' object, this between them
+
+    @property
+    def call_header(self) -> str:
+        """What every call begins with after `call_open`: a reply that gets this far is a call."""
+        return "" if self.name_separator else CALL_HEADER
+
+    @functools.cached_property
+    def header(self) -> re.Pattern[str]:
+        """Matches a call's text (after `call_open`) up to where its arguments' object begins; group 1 is
+        the name."""
+        if not self.name_separator:
+            return _OBJECT_HEADER
+        return re.compile(f"({NAME_PATTERN}){re.escape(self.name_separator)}")
 
     @property
     def lead(self) -> str:
@@ -51,6 +72,8 @@ class ToolSyntax:
 
     def call_text(self, name: str, arguments: str) -> str:
         """One call as the model writes it; `arguments` is JSON text of an object."""
+        if self.name_separator:
+            return f"{self.call_open}{name}{self.name_separator}{arguments}{self.call_close}"
         return f'{self.call_open}{CALL_HEADER}{name}", "{self.arguments_key}": {arguments}}}{self.call_close}'
 
     def calls_text(self, calls: list[tuple[str, str]]) -> str:
@@ -69,9 +92,12 @@ LLAMA3 = ToolSyntax("llama3", ("<|python_tag|>", '"parameters": '), separator=";
                     read_prefixes=("<|python_tag|>",), special=("<|python_tag|>",))
 MISTRAL = ToolSyntax("mistral", ("[TOOL_CALLS]",), separator=", ", opening="[TOOL_CALLS][", closing="]",
                      special=("[TOOL_CALLS]",), call_id_length=9)
+MISTRAL_ARGS = ToolSyntax("mistral-args", ("'[ARGS]'", '"[ARGS]"'), call_open="[TOOL_CALLS]", name_separator="[ARGS]",
+                          special=("[TOOL_CALLS]", "[ARGS]"), call_id_length=9)
 PHI4 = ToolSyntax("phi4", ("<|tool_call|>", "<|tool|>"), call_open="<|tool_call|>", call_close="<|/tool_call|>",
                   special=("<|tool_call|>", "<|/tool_call|>"))
-SYNTAXES = (MISTRAL, PHI4, LLAMA3, HERMES)  # the more specific markers first: a Llama template may mention <tool_call>
+# the more specific first: a Mistral template with [ARGS] also writes [TOOL_CALLS], a Llama one may mention <tool_call>
+SYNTAXES = (MISTRAL_ARGS, MISTRAL, PHI4, LLAMA3, HERMES)
 KILN = HERMES  # for models without a tool format of their own
 
 
@@ -82,7 +108,7 @@ def syntax_for(tokenizer: Tokenizer) -> ToolSyntax:
         if any(marker in template for marker in syntax.markers):
             return syntax
     for syntax in SYNTAXES:
-        if any(tokenizer.token_to_id(marker) is not None for marker in syntax.special):
+        if syntax.special and all(tokenizer.token_to_id(token) is not None for token in syntax.special):
             return syntax
     return KILN
 

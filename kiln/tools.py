@@ -20,15 +20,14 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kiln.errors import InvalidArgumentError
 from kiln.tokenizer import Tokenizer
-from kiln.tool_syntax import CALL_HEADER, KILN, ToolSyntax, control_token_id
+from kiln.tool_syntax import CALL_HEADER, KILN, NAME_PATTERN, ToolSyntax, control_token_id
 
-_HEADER = re.compile(r'\{"name": "([A-Za-z0-9_-]+)", "(?:arguments|parameters)": ')
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_NAME = re.compile(f"{NAME_PATTERN[:-1]}{{1,64}}")
 # the JSON layout of the call, as kiln/engine/constraints.py generates every JSON (no free whitespace)
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 TOOL_CHOICES = ("none", "auto", "required")
@@ -92,11 +91,10 @@ def grammar(tools: Sequence[Tool], choice: ToolChoice, plain_json: Mapping | Non
     if not choice.calls_allowed:
         return None
     callable_tools = [tool for tool in tools if choice.function in (None, tool.name)]
-    call_schema = {"anyOf": [_call_schema(tool, syntax) for tool in callable_tools]}
     markup = functools.partial(_markup, syntax=syntax, tokenizer=tokenizer)
     more = "" if choice.mode == "function" or not choice.parallel else f"({markup(syntax.separator)} call)*"
     rules = [f"calls: {markup(syntax.opening)} call {more} {markup(syntax.closing)}",
-             f"call: {markup(syntax.call_open)} {json_rule(call_schema)} {markup(syntax.call_close)}"]
+             f"call: {markup(syntax.call_open)} call_body {markup(syntax.call_close)}", *_call_body(callable_tools, syntax, markup)]
     if choice.mode != "auto":
         return "\n".join(["start: calls", *rules])
     if plain_json is not None:
@@ -112,10 +110,18 @@ def json_rule(schema: Mapping) -> str:
     return f"%json {json.dumps({**schema, 'x-guidance': _LAYOUT})}"
 
 
-def _call_schema(tool: Tool, syntax: ToolSyntax) -> dict:
-    key = syntax.arguments_key
-    return {"type": "object", "properties": {"name": {"const": tool.name}, key: tool.schema},
-            "required": ["name", key], "additionalProperties": False}
+def _call_body(tools: Sequence[Tool], syntax: ToolSyntax, markup: Callable[[str], str]) -> list[str]:
+    """The rules of one call between its markup: one JSON object naming the function, or (a syntax that
+    writes the name outside) the name, its separator and the arguments, one alternative per function."""
+    if not syntax.name_separator:
+        key = syntax.arguments_key
+        schemas = [{"type": "object", "properties": {"name": {"const": tool.name}, key: tool.schema},
+                    "required": ["name", key], "additionalProperties": False} for tool in tools]
+        return [f"call_body: {json_rule({'anyOf': schemas})}"]
+    alternatives = [f"call_{index}" for index in range(len(tools))]
+    return [f"call_body: {' | '.join(alternatives)}",
+            *(f"{rule}: {markup(tool.name + syntax.name_separator)} {json_rule(tool.schema)}"
+              for rule, tool in zip(alternatives, tools, strict=True))]
 
 
 def _markup(text: str, syntax: ToolSyntax, tokenizer: Tokenizer | None) -> str:
@@ -256,12 +262,12 @@ class ToolCallParser:
         if self._mode == "closing_call":
             choices = {syntax.call_close: "between"}
         elif self._mode == "undecided":
-            choices = {prefix + syntax.lead + CALL_HEADER: "call" for prefix in ("", *syntax.read_prefixes)}
+            choices = {prefix + syntax.lead + syntax.call_header: "call" for prefix in ("", *syntax.read_prefixes)}
         else:
-            choices = {syntax.separator + syntax.call_open + CALL_HEADER: "call", syntax.closing: "closed"}
+            choices = {syntax.separator + syntax.call_open + syntax.call_header: "call", syntax.closing: "closed"}
         for expected, mode in choices.items():
             if expected and self._buffer.startswith(expected):
-                self._take(len(expected) - len(CALL_HEADER) if mode == "call" else len(expected))
+                self._take(len(expected) - len(syntax.call_header) if mode == "call" else len(expected))
                 self._mode = mode
                 return True
         if any(expected.startswith(self._buffer) for expected in choices):
@@ -271,11 +277,14 @@ class ToolCallParser:
 
     def _read_call(self) -> Iterator[ReplyDelta]:
         complete = False
+        named_outside = bool(self.syntax.name_separator)
         while self._buffer and not complete:
             char = self._take(1)
             self._body += char
-            complete = self._scan.feed(char, len(self._body) - 1, self._arguments_at)
-            if not self._arguments_at and (match := _HEADER.match(self._body)):
+            if not named_outside or self._arguments_at:  # an object is scanned whole; a name outside it is not
+                origin = self._arguments_at if named_outside else 0
+                complete = self._scan.feed(char, len(self._body) - 1 - origin, self._arguments_at - origin)
+            if not self._arguments_at and (match := self.syntax.header.match(self._body)):
                 self._name, self._arguments_at = match.group(1), match.end()
         if complete and self._body in self._bodies:
             self._mode = "over"

@@ -15,7 +15,7 @@ from tokenizers import AddedToken
 from kiln.chat import from_openai_messages, prompt_for_chat
 from kiln.reasoning import opened_in, thinks
 from kiln.tokenizer import Tokenizer
-from kiln.tool_syntax import HERMES, LLAMA3, MISTRAL, PHI4, syntax_for
+from kiln.tool_syntax import HERMES, LLAMA3, MISTRAL, MISTRAL_ARGS, PHI4, syntax_for
 from kiln.tools import Tool, tools_prompt
 from tests.conftest import byte_tokenizer
 
@@ -69,7 +69,8 @@ def the_models_own_rendering(name: str, hf: object, **options: object) -> str:
 
 
 @pytest.mark.parametrize("name", ["Qwen2.5-7B-Instruct", "Qwen3-0.6B", "Llama-3.1-8B-Instruct", "Llama-3.2-3B-Instruct",
-                                  "Mistral-Nemo-Instruct-2407", "SmolLM3-3B", "Phi-4-mini-instruct", "SmolLM2-135M-Instruct"])
+                                  "Mistral-Nemo-Instruct-2407", "Ministral-3-8B-Instruct-2512", "SmolLM3-3B",
+                                  "Phi-4-mini-instruct", "SmolLM2-135M-Instruct"])
 def test_kiln_renders_a_tool_conversation_as_transformers_does(name):
     kiln, hf = tokenizers_for(name)
     text, _ = prompt_for_chat(from_openai_messages(CONVERSATION), kiln, [WEATHER])
@@ -95,7 +96,7 @@ def test_template_options_pass_through_and_reasoning_templates_are_recognised(na
 @pytest.mark.parametrize(("name", "syntax"), [
     ("Qwen2.5-7B-Instruct", HERMES), ("Qwen3-0.6B", HERMES), ("SmolLM3-3B", HERMES), ("SmolLM2-135M-Instruct", HERMES),
     ("Llama-3.1-8B-Instruct", LLAMA3), ("Llama-3.2-3B-Instruct", LLAMA3), ("Mistral-Nemo-Instruct-2407", MISTRAL),
-    ("Phi-4-mini-instruct", PHI4)])
+    ("Ministral-3-8B-Instruct-2512", MISTRAL_ARGS), ("Phi-4-mini-instruct", PHI4)])
 def test_each_family_writes_its_own_tool_call_syntax(name, syntax):
     kiln, _ = tokenizers_for(name)
     assert syntax_for(kiln) is syntax

@@ -7,7 +7,16 @@ import pytest
 from tokenizers import AddedToken
 
 from kiln.engine.constraints import Constraint, compiler_for
-from kiln.tool_syntax import HERMES, KILN, LLAMA3, MISTRAL, PHI4, SYNTAXES, ToolSyntax, markup_decoder
+from kiln.tool_syntax import (
+    KILN,
+    LLAMA3,
+    MISTRAL,
+    MISTRAL_ARGS,
+    SYNTAXES,
+    ToolSyntax,
+    markup_decoder,
+    syntax_for,
+)
 from kiln.tools import (
     ArgumentsDelta,
     CallStart,
@@ -104,7 +113,7 @@ def test_mistral_call_ids_are_what_its_template_accepts_back():
     assert KILN.call_id().startswith("call_")
 
 
-@pytest.mark.parametrize("syntax", [MISTRAL, PHI4, LLAMA3, HERMES], ids=lambda syntax: syntax.name)
+@pytest.mark.parametrize("syntax", SYNTAXES, ids=lambda syntax: syntax.name)
 def test_the_grammar_writes_the_familys_syntax_and_its_control_tokens_as_tokens(syntax):
     """Written by the grammar token by token (greedily: the lowest allowed id), decoded as the server
     decodes a tool-calling reply, and read back as the call; one call allowed: the grammar ends there."""
@@ -139,3 +148,23 @@ def test_a_repeat_is_known_when_its_object_closes_and_a_cut_repeat_leaves_a_whol
     assert cut.calls_complete and not cut.repeated
     _, inside = parsed(PARIS[:-20], complete=False)  # cut inside the only call: not a whole reply
     assert not inside.calls_complete
+
+
+@pytest.mark.parametrize(("tokens", "syntax"), [(("[TOOL_CALLS]",), MISTRAL), (("[TOOL_CALLS]", "[ARGS]"), MISTRAL_ARGS),
+                                                (("<|python_tag|>",), LLAMA3), (("[ARGS]",), KILN), ((), KILN)])
+def test_a_model_whose_template_names_no_syntax_is_known_by_all_of_its_control_tokens(tokens, syntax):
+    tokenizer = byte_tokenizer()
+    tokenizer.backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+    assert tokenizer.chat_template is None and syntax_for(tokenizer) is syntax
+
+
+def test_mistral_names_outside_the_object_stream_their_arguments_and_end_on_a_repeat():
+    ping, paris = MISTRAL_ARGS.call_text("ping", "{}"), MISTRAL_ARGS.call_text("get_weather", TRICKY)
+    assert paris == f"[TOOL_CALLS]get_weather[ARGS]{TRICKY}"
+    deltas, parser = parsed(paris + ping + paris + ping, syntax=MISTRAL_ARGS, piece=2)
+    assert calls(deltas) == [("get_weather", TRICKY), ("ping", "{}")] and parser.repeated
+    arguments = [d.text for d in deltas if isinstance(d, ArgumentsDelta) and d.index == 0]
+    assert len(arguments) > 1  # streamed as written, not once whole
+    for text in ("[TOOL_CALL", "TOOL_CALLS] is a token", "get_weather[ARGS]{}"):  # not a call: plain text
+        deltas, _ = parsed(text, syntax=MISTRAL_ARGS, piece=3)
+        assert "".join(d.text for d in deltas if isinstance(d, ContentDelta)) == text and not calls(deltas)

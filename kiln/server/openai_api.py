@@ -24,7 +24,7 @@ Beyond plain text:
 - `response_format` (`json_object`, `json_schema`) and tool calls are enforced by grammar-constrained
   decoding (kiln/engine/constraints.py); tools, tool_choice and parallel_tool_calls follow the rules
   of kiln/tools.py, in the model's own call syntax (kiln/tool_syntax.py: Hermes `<tool_call>`, Llama 3
-  JSON, Mistral `[TOOL_CALLS]`, Phi-4-mini `<|tool_call|>`), and a reply that is calls comes back as
+  JSON, Mistral `[TOOL_CALLS][…]` or `[TOOL_CALLS]name[ARGS]{…}`, Phi-4-mini `<|tool_call|>`), and a reply that is calls comes back as
   `tool_calls` with finish_reason `tool_calls` (streamed as tool-call deltas). parallel_tool_calls
   unset allows several calls only to a model whose template takes tools; one told its tools in
   Kiln's text gets one call, after which the grammar ends the reply. A call identical to an earlier
