@@ -33,6 +33,15 @@ inline __m256i dot4(__m256i u, __m256i s) {
 #endif
 }
 
+// acc plus, in each of 8 int32 lanes, the sum of 4 adjacent products of unsigned bytes u and signed bytes s.
+inline __m256i dot4_add(__m256i acc, __m256i u, __m256i s) {
+#if KILN_BLOCKS_VNNI
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, dot4(u, s));
+#endif
+}
+
 inline float half(const uint8_t* at) {
   uint16_t bits;
   std::memcpy(&bits, at, sizeof bits);
@@ -278,6 +287,168 @@ struct IQ4_XS {
   }
 };
 
+// The repacked formats (blocks.h, kRepacked): a vector lane per row, so a group's scales, minimums and
+// float steps are one vector operation for all eight rows, its input codes are four bytes broadcast to
+// every lane, and no row ends in a horizontal sum. Per row the integers are those of the row-wise kernels
+// above; the float steps run in one fixed order per row as there, so a row's result never depends on its
+// batch. Each format: kValues per block, kGroupBytes per group block, and group<inputs>, which adds one
+// group block times each input's to acc[i] (lane r: row r of the group).
+
+inline __m256i broadcast4(const uint8_t* at) {
+  int32_t bytes;
+  std::memcpy(&bytes, at, 4);
+  return _mm256_set1_epi32(bytes);
+}
+
+inline __m256 halves8(const uint8_t* at) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))); }
+
+inline __m256i bytes_to_int32(const uint8_t* at, bool is_signed) {
+  int64_t bytes;
+  std::memcpy(&bytes, at, 8);
+  const __m128i v = _mm_cvtsi64_si128(bytes);
+  return is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+}
+
+// The 32-value formats: a block's integer dot per row, then d * dx * dot + offset * ds, the offset being
+// what the format's zero point or minimum adds per input unit (Q4_0's -8 d, Q4_1's m), as row_tile does.
+template <int64_t kType>
+struct Blocks32x8 {
+  static constexpr bool kFifth = kType == blocks::kQ5_0 || kType == blocks::kQ5_1;
+  static constexpr bool kMinimum = kType == blocks::kQ4_1 || kType == blocks::kQ5_1;
+  static constexpr int64_t kValues = 32;
+  static constexpr int64_t kGroupBytes = blocks::kGroupRows * blocks::block_bytes(kType);
+  static constexpr int64_t kCodes = 16 * (1 + kMinimum) + 32 * kFifth;
+
+  template <int inputs>
+  static inline void group(const uint8_t* g, const Acts& x, int64_t m0, int64_t n, __m256* acc) {
+    const int64_t blocks_per_row = x.K / 32;
+    const uint8_t* codes = g + kCodes;
+    __m256i sums[inputs];
+    for (int i = 0; i < inputs; ++i) sums[i] = _mm256_setzero_si256();
+    const auto meet = [&](__m256i w, int64_t at, bool is_signed) {  // w against input codes at..at+3
+      const __m256i magnitude = is_signed ? _mm256_abs_epi8(w) : w;
+      for (int i = 0; i < inputs; ++i) {
+        __m256i in = broadcast4(reinterpret_cast<const uint8_t*>(x.q + ((m0 + i) * blocks_per_row + n) * kActBlock) + at);
+        if (is_signed) in = _mm256_sign_epi8(in, w);
+        sums[i] = dot4_add(sums[i], magnitude, in);
+      }
+    };
+    if constexpr (kType == blocks::kQ8_0) {
+      for (int v = 0; v < 8; ++v) meet(load32(codes + 32 * v), 4 * v, true);
+    } else {
+      const __m256i fifth = kFifth ? load32(g + 16 * (1 + kMinimum)) : _mm256_setzero_si256();
+      for (int q = 0; q < 4; ++q) {
+        const __m256i w = load32(codes + 32 * q);
+        __m256i low = low4(w), high = low4(shift_right(w, 4));
+        if constexpr (kFifth) {  // bit 2q + h of each byte to bit 4
+          const __m256i bit4 = _mm256_set1_epi8(16);
+          low = _mm256_or_si256(low, _mm256_and_si256(2 * q <= 4 ? _mm256_slli_epi16(fifth, 4 - 2 * q) : shift_right(fifth, 2 * q - 4), bit4));
+          high = _mm256_or_si256(high, _mm256_and_si256(2 * q + 1 <= 4 ? _mm256_slli_epi16(fifth, 3 - 2 * q) : shift_right(fifth, 2 * q - 3), bit4));
+        }
+        if constexpr (kType == blocks::kIQ4_NL) {
+          meet(_mm256_shuffle_epi8(iq4_grid(), low), 8 * q, true);
+          meet(_mm256_shuffle_epi8(iq4_grid(), high), 8 * q + 4, true);
+        } else {
+          meet(low, 8 * q, false);
+          meet(high, 8 * q + 4, false);
+        }
+      }
+    }
+    const __m256 d = halves8(g);
+    __m256 offset = _mm256_setzero_ps();
+    if constexpr (kType == blocks::kQ4_0) offset = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    if constexpr (kType == blocks::kQ5_0) offset = _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
+    if constexpr (kMinimum) offset = halves8(g + 16);
+    for (int i = 0; i < inputs; ++i) {
+      const int64_t at = (m0 + i) * blocks_per_row + n;
+      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[at])), _mm256_cvtepi32_ps(sums[i]), acc[i]);
+      if constexpr (kType != blocks::kQ8_0 && kType != blocks::kIQ4_NL)
+        acc[i] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.ds[at]), acc[i]);
+    }
+  }
+};
+
+// Q4_K: d * scale_j * q - dmin * min_j per sub-block; the block's integers are exact in int32.
+struct Q4_Kx8 {
+  static constexpr int64_t kValues = 256;
+  static constexpr int64_t kGroupBytes = blocks::kGroupRows * 148;
+
+  template <int inputs>
+  static inline void group(const uint8_t* g, const Acts& x, int64_t m0, int64_t n, __m256* acc) {
+    const uint8_t* scales = g + 32;
+    const uint8_t* minimums = g + 96;
+    const uint8_t* codes = g + 160;
+    __m256i total[inputs];
+    for (int i = 0; i < inputs; ++i) total[i] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      __m256i low_sum[inputs], high_sum[inputs];  // two chains, not one: no long dependency to wait on
+      for (int i = 0; i < inputs; ++i) low_sum[i] = high_sum[i] = _mm256_setzero_si256();
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        const __m256i w = load32(codes + 32 * (4 * j + quarter));
+        const __m256i low = low4(w), high = low4(shift_right(w, 4));
+        for (int i = 0; i < inputs; ++i) {
+          const uint8_t* in = input_codes(x, m0 + i, n) + 32 * j + 8 * quarter;
+          low_sum[i] = dot4_add(low_sum[i], low, broadcast4(in));
+          high_sum[i] = dot4_add(high_sum[i], high, broadcast4(in + 4));
+        }
+      }
+      const __m256i scale = bytes_to_int32(scales + 8 * j, false);
+      for (int i = 0; i < inputs; ++i)
+        total[i] = _mm256_add_epi32(total[i], _mm256_mullo_epi32(_mm256_add_epi32(low_sum[i], high_sum[i]), scale));
+    }
+    const __m256 d = halves8(g), dmin = halves8(g + 16);
+    for (int i = 0; i < inputs; ++i) {
+      const int16_t* sums = x.sums32 + (m0 + i) * (x.K / 32) + n * 8;
+      __m256i minimum = _mm256_setzero_si256();
+      for (int pair = 0; pair < 4; ++pair) {  // each lane: min_2p * sum_2p + min_2p+1 * sum_2p+1
+        const __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(minimums + 16 * pair)));
+        minimum = _mm256_add_epi32(minimum, _mm256_madd_epi16(mins, broadcast4(reinterpret_cast<const uint8_t*>(sums + 2 * pair))));
+      }
+      const __m256 dx = _mm256_set1_ps(input_scale(x, m0 + i, n));
+      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(total[i]), acc[i]);
+      acc[i] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(minimum), acc[i]);
+    }
+  }
+};
+
+// Q6_K: d * scale_g * (q - 32) per sub-block of 16; the -32 taken off each sub-block's sum exactly through
+// the input's sums per 16.
+struct Q6_Kx8 {
+  static constexpr int64_t kValues = 256;
+  static constexpr int64_t kGroupBytes = blocks::kGroupRows * 210;
+
+  template <int inputs>
+  static inline void group(const uint8_t* g, const Acts& x, int64_t m0, int64_t n, __m256* acc) {
+    const uint8_t* scales = g + 16;
+    const uint8_t* codes = g + 144;
+    const __m256i low_mask = _mm256_set1_epi8(0x0F), top_mask = _mm256_set1_epi8(0x30);
+    __m256i total[inputs];
+    for (int i = 0; i < inputs; ++i) total[i] = _mm256_setzero_si256();
+    for (int j = 0; j < 16; ++j) {
+      const uint8_t* c = codes + 96 * j;
+      const __m256i w0 = load32(c), w1 = load32(c + 32), top = load32(c + 64);
+      const __m256i q[4] = {  // values 0..3, 4..7, 8..11, 12..15 of the sub-block (+ k)
+          _mm256_or_si256(_mm256_and_si256(w0, low_mask), _mm256_and_si256(_mm256_slli_epi16(top, 4), top_mask)),
+          _mm256_or_si256(_mm256_and_si256(shift_right(w0, 4), low_mask), _mm256_and_si256(top, top_mask)),
+          _mm256_or_si256(_mm256_and_si256(w1, low_mask), _mm256_and_si256(_mm256_slli_epi16(top, 2), top_mask)),
+          _mm256_or_si256(_mm256_and_si256(shift_right(w1, 4), low_mask), _mm256_and_si256(shift_right(top, 2), top_mask)),
+      };
+      const __m256i scale = bytes_to_int32(scales + 8 * j, true);
+      for (int i = 0; i < inputs; ++i) {
+        const uint8_t* in = input_codes(x, m0 + i, n) + 16 * j;
+        const __m256i even = dot4_add(dot4_add(_mm256_setzero_si256(), q[0], broadcast4(in)), q[2], broadcast4(in + 8));
+        const __m256i odd = dot4_add(dot4_add(_mm256_setzero_si256(), q[1], broadcast4(in + 4)), q[3], broadcast4(in + 12));
+        const __m256i offset = _mm256_set1_epi32(32 * x.bsums[(m0 + i) * (x.K / 16) + n * 16 + j]);
+        const __m256i sum = _mm256_sub_epi32(_mm256_add_epi32(even, odd), offset);
+        total[i] = _mm256_add_epi32(total[i], _mm256_mullo_epi32(sum, scale));
+      }
+    }
+    const __m256 d = halves8(g);
+    for (int i = 0; i < inputs; ++i)
+      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(input_scale(x, m0 + i, n))), _mm256_cvtepi32_ps(total[i]), acc[i]);
+  }
+};
+
 // How far ahead of the block being computed its weights are asked for: decode streams each weight once from
 // memory, and perf put the kernel's time on the loads of weight bytes and what waits on them. linear.cpp's
 // distance; on the 1.7B file 1 KiB and 4 KiB were no better (decode within this VM's noise of +-10 %).
@@ -343,8 +514,55 @@ void rows_of(const Segment& s, int64_t r0, int64_t r1, const Acts& x, int64_t m0
   }
 }
 
+// One group of eight output rows against `inputs` input rows from m0.
+template <int inputs, class Format>
+inline void group_tile(const Segment& s, int64_t group, const Acts& x, int64_t m0, const Out& out) {
+  __m256 acc[inputs];
+  for (int i = 0; i < inputs; ++i) acc[i] = _mm256_setzero_ps();
+  const int64_t blocks = x.K / Format::kValues;
+  const uint8_t* base = s.data + group * Format::kGroupBytes * blocks;
+  for (int64_t n = 0; n < blocks; ++n) {
+    const uint8_t* g = base + n * Format::kGroupBytes;
+    for (int64_t line = 0; line < Format::kGroupBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(g + kPrefetchBytes + line), _MM_HINT_T0);
+    Format::template group<inputs>(g, x, m0, n, acc);
+  }
+  for (int i = 0; i < inputs; ++i) {
+    alignas(32) float lanes[blocks::kGroupRows];
+    _mm256_store_ps(lanes, acc[i]);
+    for (int64_t r = 0; r < blocks::kGroupRows; ++r) {
+      const int64_t row = s.first_row + group * blocks::kGroupRows + r;
+      const int64_t column = out.columns ? out.columns[row] : row;
+      out.y[(m0 + i) * out.ldy + column] = lanes[r] + (out.bias ? out.bias[column] : 0.0f);
+    }
+  }
+}
+
+// Rows [r0, r1) of a repacked segment, both multiples of eight (blocks.cpp splits the work so).
+template <class Format>
+void groups_of(const Segment& s, int64_t r0, int64_t r1, const Acts& x, int64_t m0, int64_t m1, const Out& out) {
+  for (int64_t chunk = m0; chunk < m1; chunk += kInputChunk) {
+    const int64_t end = std::min(m1, chunk + kInputChunk);
+    for (int64_t group = r0 / blocks::kGroupRows; group < r1 / blocks::kGroupRows; ++group) {
+      int64_t m = chunk;
+      for (; end - m >= 4; m += 4) group_tile<4, Format>(s, group, x, m, out);
+      if (end - m == 3) group_tile<3, Format>(s, group, x, m, out);
+      if (end - m == 2) group_tile<2, Format>(s, group, x, m, out);
+      if (end - m == 1) group_tile<1, Format>(s, group, x, m, out);
+    }
+  }
+}
+
 void dot_rows(const Segment& s, int64_t r0, int64_t r1, const Acts& x, int64_t m0, int64_t m1, const Out& out) {
   switch (s.type) {
+    case blocks::kRepacked + blocks::kQ4_0: return groups_of<Blocks32x8<blocks::kQ4_0>>(s, r0, r1, x, m0, m1, out);
+    case blocks::kRepacked + blocks::kQ4_1: return groups_of<Blocks32x8<blocks::kQ4_1>>(s, r0, r1, x, m0, m1, out);
+    case blocks::kRepacked + blocks::kQ5_0: return groups_of<Blocks32x8<blocks::kQ5_0>>(s, r0, r1, x, m0, m1, out);
+    case blocks::kRepacked + blocks::kQ5_1: return groups_of<Blocks32x8<blocks::kQ5_1>>(s, r0, r1, x, m0, m1, out);
+    case blocks::kRepacked + blocks::kQ8_0: return groups_of<Blocks32x8<blocks::kQ8_0>>(s, r0, r1, x, m0, m1, out);
+    case blocks::kRepacked + blocks::kIQ4_NL: return groups_of<Blocks32x8<blocks::kIQ4_NL>>(s, r0, r1, x, m0, m1, out);
+    case blocks::kRepacked + blocks::kQ4_K: return groups_of<Q4_Kx8>(s, r0, r1, x, m0, m1, out);
+    case blocks::kRepacked + blocks::kQ6_K: return groups_of<Q6_Kx8>(s, r0, r1, x, m0, m1, out);
     case blocks::kQ4_0: return rows_of<Q4_0>(s, r0, r1, x, m0, m1, out);
     case blocks::kQ4_1: return rows_of<Q4_1>(s, r0, r1, x, m0, m1, out);
     case blocks::kQ5_0: return rows_of<Q5_0>(s, r0, r1, x, m0, m1, out);

@@ -115,6 +115,9 @@ std::vector<kiln::blocks::Segment> checked_segments(const torch::Tensor& data, c
     const int64_t row_bytes = K / values * kiln::blocks::block_bytes(type);
     TORCH_CHECK(offset >= 0 && count > 0 && offset <= data.numel() && count <= (data.numel() - offset) / row_bytes,
                 "segments[", i, "]: ", count, " rows of ", row_bytes, " bytes from ", offset, " lie outside the ", data.numel(), " bytes of data");
+    TORCH_CHECK(!kiln::blocks::repacked(type) || (count % kiln::blocks::kGroupRows == 0 && first % kiln::blocks::kGroupRows == 0),
+                "segments[", i, "]: repacked rows come in groups of ", kiln::blocks::kGroupRows, " from a multiple of ",
+                kiln::blocks::kGroupRows, ", got ", count, " rows from row ", first);
     out.push_back({data.data_ptr<uint8_t>() + offset, count, row_bytes, type, first});
     first += count;
   }
@@ -168,8 +171,11 @@ torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor data, torch::Tensor s
   const kiln::blocks::Out out{y.data_ptr<float>(), N, columns.has_value() ? column_map.data_ptr<int64_t>() : nullptr,
                               bias.has_value() ? bias->data_ptr<float>() : nullptr};
   const auto dot_rows = kiln::active_isa() == kiln::Isa::kAvx512Vnni ? &kiln::blocks_avx512::dot_rows : &kiln::blocks_avx2::dot_rows;
-  // Output rows split over the threads, each thread's share walking the segments it overlaps.
-  kiln::SpinPool::run(N, 8, [&](int64_t begin, int64_t end) {
+  // Output rows split over the threads in groups of eight (a repacked segment's unit), each thread's share
+  // walking the segments it overlaps.
+  constexpr int64_t group = kiln::blocks::kGroupRows;
+  kiln::SpinPool::run((N + group - 1) / group, 1, [&](int64_t first_group, int64_t end_group) {
+    const int64_t begin = first_group * group, end = std::min(N, end_group * group);
     for (const auto& part : parts) {
       const int64_t r0 = std::max(begin, part.first_row) - part.first_row;
       const int64_t r1 = std::min(end, part.first_row + part.rows) - part.first_row;

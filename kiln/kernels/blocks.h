@@ -11,17 +11,43 @@ enum Type : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23
 };
 
-// Values and bytes of one block of `type`; 0 for a type not computed here.
-inline int64_t block_values(int64_t type) {
-  switch (type) {
+// Kiln's repacked layouts (kiln/models/gguf_blocks.py writes them at load): type kRepacked + a GGML type is
+// that type's blocks of eight consecutive rows as one group, so that one vector lane holds one row. A
+// group's rows are the segment's rows 8g .. 8g + 7 and its blocks follow one another; row_bytes stays per
+// row. Within a group's block, scales are by row (float16 [8]), and codes come as 32-byte vectors of four
+// bytes per row, each vector meeting four input codes (a nibble vector: its low nibbles four, its high
+// nibbles the next four):
+// - Q4_0/Q4_1/IQ4_NL x8: d[8] (Q4_1: then m[8]); 4 nibble vectors, vector q holding values 8q..8q+7.
+// - Q5_0/Q5_1 x8: d[8] (Q5_1: m[8]); fifth bits (a vector: row byte k, bit 2q + h = the fifth bit of value
+//   8q + 4h + k); then the 4 nibble vectors.
+// - Q8_0 x8: d[8]; 8 vectors of signed codes, vector v holding values 4v..4v+3.
+// - Q4_K x8: d[8], dmin[8]; scales[8 sub-blocks][8 rows] and minimums[4 sub-block pairs][8 rows][2] (uint8);
+//   then per sub-block its 4 nibble vectors (148 bytes a row-block: the scales unpacked from 12 to 16).
+// - Q6_K x8: d[8]; scales[16 sub-blocks][8 rows] (int8); then per sub-block of 16 values: 2 nibble vectors
+//   of the low four bits and one vector of the top two (row byte k: bits 0-1 value k, 4-5 value 4 + k, 2-3
+//   value 8 + k, 6-7 value 12 + k).
+constexpr int64_t kRepacked = 1000;
+constexpr int64_t kGroupRows = 8;
+
+constexpr bool repacked(int64_t type) {
+  switch (type - kRepacked) {
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kIQ4_NL: case kQ4_K: case kQ6_K: return true;
+    default: return false;
+  }
+}
+
+// Values and bytes (of one row) of one block of `type`; 0 for a type not computed here.
+constexpr int64_t block_values(int64_t type) {
+  switch (repacked(type) ? type - kRepacked : type) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kIQ4_NL: return 32;
     case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_XS: return 256;
     default: return 0;
   }
 }
 
-inline int64_t block_bytes(int64_t type) {
-  switch (type) {
+constexpr int64_t block_bytes(int64_t type) {
+  if (type == kRepacked + kQ4_K) return 148;  // its scales and minimums unpacked
+  switch (repacked(type) ? type - kRepacked : type) {
     case kQ4_0: case kIQ4_NL: return 18;
     case kQ4_1: return 20;
     case kQ5_0: return 22;

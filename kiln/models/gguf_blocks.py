@@ -7,6 +7,12 @@ greedy output left llama.cpp's at the first token of a code prompt), and kept a 
 weight cache and in memory. Here the file is the copy: nothing is converted, written or cached, and the
 process holds the file's pages that a step reads, shared with every other process that maps the file.
 
+How the common types compute: their blocks are repacked at load, eight rows to a group
+(kiln/models/block_repack.py), so that a vector lane holds a row. The repacked copy is the layer's own
+memory; the file's pages it came from are handed back, so the process still holds about the file's size.
+A part that does not fill whole groups of eight rows (or a type that does not repack: Q5_K, IQ4_XS) is
+copied as stored beside the repacked ones.
+
 Which layers: every linear layer (a fused q/k/v or gate/up layer: each of its tensors) whose tensors are
 all in BLOCK_TYPES with its width whole blocks of them, and the LM head (a tied head computes with the
 token embedding table's blocks, still looked up row by row: kiln/models/file_embedding.py). Rows that
@@ -18,9 +24,11 @@ every layer as before.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +38,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from torch import nn
 
 from kiln.kernels import kernels
+from kiln.models.block_repack import GROUP_ROWS, REPACKABLE, REPACKED, repack
 from kiln.models.tensor_source import FileBlocks, TensorSource
 
 if TYPE_CHECKING:
@@ -46,18 +55,18 @@ class BlockLinear(nn.Module):
     """y = x @ W^T + b: x [..., in_features] float32 -> [..., out_features] float32, W's rows being the
     `parts` (each a tensor's blocks in `data`, the file's bytes) one after another."""
 
-    def __init__(self, data: torch.Tensor, parts: Sequence[FileBlocks], in_features: int, bias: torch.Tensor | None) -> None:
+    def __init__(self, file: MappedFile, parts: Sequence[FileBlocks], in_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = sum(part.rows for part in parts)
         self.types = tuple(GGML(part.ggml_type).name for part in parts)
         self.bias = bias
         self.nbytes = sum(part.rows * row_bytes(part.ggml_type, in_features) for part in parts) + (0 if bias is None else bias.nbytes)
-        segments = torch.tensor([[part.offset, part.rows, part.ggml_type] for part in parts], dtype=torch.long)
+        self.data, self.segments = _layer_data(file, parts, in_features)  # the bytes it computes with: (offset, rows, type)
         columns = _columns(parts)
         n = self.out_features
         # Bound once, as QuantizedLinear does: forward runs for every projection of every step.
-        self._apply_kernel = lambda x: kernels().linear_blocks(x, data, segments, columns, bias, n)
+        self._apply_kernel = lambda x: kernels().linear_blocks(x, self.data, self.segments, columns, bias, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._apply_kernel(x)
@@ -83,7 +92,7 @@ def use_file_blocks(model: CausalLM, tensors: Mapping[str, torch.Tensor]) -> int
     if not isinstance(tensors, TensorSource):
         return 0
     plan = model.hf_plan()
-    files: dict[Path, torch.Tensor] = {}
+    files: dict[Path, MappedFile] = {}
     swapped = 0
     for name in [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]:
         linear = model.get_submodule(name)
@@ -94,7 +103,7 @@ def use_file_blocks(model: CausalLM, tensors: Mapping[str, torch.Tensor]) -> int
         if linear.bias is not None:
             model.load_parameters(tensors, [f"{name}.bias"])
             bias = linear.bias.detach().contiguous()
-        layer = BlockLinear(_mapped(files, parts[0].path), parts, linear.in_features, bias)
+        layer = BlockLinear(mapped_file(files, parts[0].path), parts, linear.in_features, bias)
         if name == "lm_head":
             model.use_head(layer)
         else:
@@ -103,22 +112,57 @@ def use_file_blocks(model: CausalLM, tensors: Mapping[str, torch.Tensor]) -> int
         swapped += 1
     table = tensors.blocks(_EMBEDDINGS)
     if model.lm_head is None and computable(table, model.config.hidden_size):
-        model.use_head(BlockLinear(_mapped(files, table.path), [table], model.config.hidden_size, None))
+        model.use_head(BlockLinear(mapped_file(files, table.path), [table], model.config.hidden_size, None))
         swapped += 1
     return swapped
 
 
-def _mapped(files: dict[Path, torch.Tensor], path: Path) -> torch.Tensor:
-    """The file's bytes as a uint8 tensor over a read-only shared mapping, one per file. Read-only: the
-    mapping is never charged to the machine's commit (a private writable one would be, kiln/kv/storage.py
-    says what that costs), and nothing writes weights."""
+@dataclass
+class MappedFile:
+    """A GGUF file's bytes as a uint8 tensor over a read-only shared mapping. Read-only: the mapping is
+    never charged to the machine's commit (a private writable one would be, kiln/kv/storage.py says what
+    that costs), and nothing writes weights."""
+
+    mapping: mmap.mmap
+    data: torch.Tensor
+
+    def release(self, offset: int, size: int) -> None:
+        """Hands back the pages of [offset, offset + size) this process holds: read again, they come back
+        from the file (a neighbour sharing an edge page loses nothing)."""
+        start = offset - offset % mmap.PAGESIZE
+        self.mapping.madvise(mmap.MADV_DONTNEED, start, offset + size - start)
+
+
+def mapped_file(files: dict[Path, MappedFile], path: Path) -> MappedFile:
+    """The file's mapping, one per file."""
     if path not in files:
         with path.open("rb") as file:
             mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         with warnings.catch_warnings():  # "non-writable buffer": the kernels only read it
             warnings.simplefilter("ignore", UserWarning)
-            files[path] = torch.frombuffer(mapping, dtype=torch.uint8)
+            files[path] = MappedFile(mapping, torch.frombuffer(mapping, dtype=torch.uint8))
     return files[path]
+
+
+def _layer_data(file: MappedFile, parts: Sequence[FileBlocks], cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bytes a layer computes with and its segments (byte offset, rows, type) in them: the file's own
+    when no part repacks; else the layer's own copy, its parts of REPACKABLE types repacked (those that
+    start and end on a group of eight rows), the rest as stored, and the file's pages of every part
+    handed back."""
+    repacks = [part.ggml_type in REPACKABLE and part.rows % GROUP_ROWS == 0 and first % GROUP_ROWS == 0
+               for part, first in zip(parts, itertools.accumulate([0, *(part.rows for part in parts)]), strict=False)]
+    if not any(repacks):
+        return file.data, torch.tensor([[part.offset, part.rows, part.ggml_type] for part in parts], dtype=torch.long)
+    pieces, segments, offset = [], [], 0
+    for part, grouped in zip(parts, repacks, strict=True):
+        size = part.rows * row_bytes(part.ggml_type, cols)
+        stored = file.data[part.offset : part.offset + size]
+        piece = repack(stored.view(part.rows, -1), part.ggml_type) if grouped else stored.clone()
+        file.release(part.offset, size)
+        pieces.append(piece)
+        segments.append([offset, part.rows, REPACKED + part.ggml_type if grouped else part.ggml_type])
+        offset += piece.numel()
+    return torch.cat(pieces), torch.tensor(segments, dtype=torch.long)
 
 
 def _columns(parts: Sequence[FileBlocks]) -> torch.Tensor | None:

@@ -22,6 +22,7 @@ import torch
 
 from kiln.errors import InvariantViolation
 from kiln.kernels import kernels, supported
+from kiln.models.block_repack import REPACKABLE, REPACKED, repack
 from kiln.models.gguf_blocks import BLOCK_TYPES
 
 pytestmark = pytest.mark.skipif(not supported(), reason="Kiln's CPU kernels do not run on this machine")
@@ -177,3 +178,58 @@ def test_an_unknown_or_missing_instruction_set_is_refused() -> None:
     with pytest.raises(InvariantViolation, match="unknown instruction set"):
         kernels().use_isa("sse2")
     assert kernels().isa() in PATHS
+
+
+REPACKED_TYPES = sorted(t.name for t in REPACKABLE)
+Q4_KX8 = REPACKED + int(gguf.GGMLQuantizationType.Q4_K)
+
+
+def repacked_linear(x: torch.Tensor, raw: np.ndarray, name: str) -> torch.Tensor:
+    """The kernel over rows of `name` repacked eight to a group (blocks.h's kRepacked), as a layer loads them."""
+    qtype = int(gguf.GGMLQuantizationType[name])
+    segments = torch.tensor([[0, raw.shape[0], REPACKED + qtype]])
+    return kernels().linear_blocks(x, repack(torch.from_numpy(raw), qtype), segments, None, None, raw.shape[0])
+
+
+@pytest.mark.parametrize("name", REPACKED_TYPES)
+@pytest.mark.parametrize("inputs", [1, 2, 3, 4, 7, 70])
+def test_repacked_blocks_compute_as_their_dequantisation(name: str, inputs: int, isa: str) -> None:
+    raw = random_blocks(name, 24, 512, seed=inputs)
+    x = np.random.default_rng(inputs).standard_normal((inputs, 512)).astype(np.float32)
+    x[:, :32] *= 50
+    x[-1, 64:96] = 0
+    check_against_reference(x, raw, name, repacked_linear(torch.from_numpy(x), raw, name).numpy())
+
+
+@pytest.mark.parametrize("name", REPACKED_TYPES)
+def test_ggml_quantised_rows_compute_as_their_dequantisation_when_repacked(name: str, isa: str) -> None:
+    recorded = np.frombuffer(base64.b64decode(FIXTURE["types"][name]["quantized"]), np.uint8).reshape(FIXTURE["rows"], -1)
+    raw = np.concatenate([recorded, recorded, recorded[:2]])  # ggml's rows, then as many again: a group of 8
+    x = np.random.default_rng(1).standard_normal((5, FIXTURE["cols"])).astype(np.float32)
+    check_against_reference(x, raw, name, repacked_linear(torch.from_numpy(x), raw, name).numpy())
+
+
+@pytest.mark.parametrize("name", REPACKED_TYPES)
+def test_repacked_rows_give_the_same_bits_on_both_paths_and_in_any_batch(name: str) -> None:
+    raw = random_blocks(name, 32, 512, seed=5)
+    x = torch.randn(9, 512)
+    results = []
+    for path in PATHS if kernels().cpu_has_avx512_vnni() else PATHS[:1]:
+        previous = kernels().use_isa(path)
+        try:
+            results.append(repacked_linear(x, raw, name))
+            alone = [repacked_linear(x[i : i + 1], raw, name) for i in range(9)]
+        finally:
+            kernels().use_isa(previous)
+        assert torch.equal(torch.cat(alone), results[-1])
+    assert all(torch.equal(result, results[0]) for result in results)
+
+
+@pytest.mark.parametrize(("segments", "rows", "message"), [
+    ([[0, 4, Q4_KX8], [4736, 4, Q4_KX8]], 8, "groups of 8"),  # half a group each
+    ([[0, 4, 12], [576, 8, Q4_KX8]], 12, "from row 4"),  # a whole group, after 4 rows of another part
+])
+def test_repacked_segments_off_their_groups_are_refused(segments: list[list[int]], rows: int, message: str) -> None:
+    data = torch.zeros(16 * 1184, dtype=torch.uint8)
+    with pytest.raises(InvariantViolation, match=message):
+        kernels().linear_blocks(torch.randn(1, 256), data, torch.tensor(segments), None, None, rows)
