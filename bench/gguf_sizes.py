@@ -30,7 +30,8 @@ but the token embeddings, which it looks one row up in (unless tied: then they a
 machine's read bandwidth (common.read_bandwidth_gb_s, two threads) that gives each decode's fraction of what
 memory allows: bytes per token x tokens/s / bandwidth. Ratios are Kiln over llama.cpp, of medians.
 
-Writes bench/results/gguf_sizes.json and .png. `--quick`: the 1.7B file only, 32 decode tokens, 2 decode runs,
+`--shapes gemma3-270m,smollm2-135m-instruct` runs the same on the embedded models' own files (their real
+weights). Writes bench/results/gguf_sizes.json and .png. `--quick`: the 1.7B file only, 32 decode tokens, 2 decode runs,
 1 prefill run.
 """
 
@@ -53,7 +54,9 @@ import llama_cpp_peer
 import models
 import numpy as np
 
-SHAPES = {
+SHAPES: dict[str, models.Shape | None] = {  # None: an embedded model's own file (not in the default run)
+    "gemma3-270m": None,
+    "smollm2-135m-instruct": None,
     "1.7b": models.BIG_SHAPE,
     "8b": models.Shape("Llama-3.1-8B", hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, context=8192,
                        vocab=128_256, tied=False, rope_theta=500000.0),
@@ -126,11 +129,12 @@ def llama_cpp_bytes_per_token(path: Path) -> int:
 
 
 def measure(name: str, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
-    path = models.big_file(args, SHAPES[name])
+    shape = SHAPES[name]
+    path = models.embedded_model_path(name) if shape is None else models.big_file(args, shape)
     question = request(path, args)
     kiln = [sys.executable, __file__, "--kiln-child"]
     env = {**os.environ, "KILN_CACHE_DIR": str(Path(args.big_dir) / "kiln-cache")}
-    result: dict[str, Any] = {"shape": asdict(SHAPES[name]), "file": path.name, "file_bytes": path.stat().st_size,
+    result: dict[str, Any] = {"shape": asdict(shape) if shape else {"embedded": name}, "file": path.name, "file_bytes": path.stat().st_size,
                               "kiln_load": child(kiln, {"op": "load", "model": str(path)}, env)}
     answers = {"kiln": child(kiln, question, env),
                "llamacpp": child([args.peer_python or sys.executable, llama_cpp_peer.__file__], question,
@@ -153,7 +157,7 @@ def measure(name: str, args: argparse.Namespace, bandwidth: float) -> dict[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"of {', '.join(SHAPES)}")
+    parser.add_argument("--shapes", default="1.7b,8b", help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="timed decode runs")

@@ -109,6 +109,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "weight-only int8 linear, packed weights and per-row scales (linear.cpp)");
   m.def("linear_blocks", released_when_long(&linear_blocks, blocks_work, kLinearReleaseWork),
         "linear over GGUF block-quantised weights as stored (blocks.cpp)");
+  m.def("repacked_row_bytes", &repacked_row_bytes, "a row's bytes once repacked eight rows to a group; 0: the type does not repack (repack.cpp)");
+  m.def("repack_blocks", &repack_blocks, "GGUF rows repacked eight to a group into out; returns the repacked type (repack.cpp)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("isa", [] { return kiln::isa_name(kiln::active_isa()); }, "the instruction-set path the kernels take (isa.h)");
   m.def("cpu_has_avx512_vnni", [] { return kiln::cpu_has(kiln::Isa::kAvx512Vnni); }, "whether this CPU runs the AVX-512 VNNI path");
   m.def("use_isa", &kiln::use_isa, "take the path named avx2 or avx512_vnni from now on; returns the previous one's name");

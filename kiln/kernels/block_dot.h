@@ -309,6 +309,11 @@ inline __m256i bytes_to_int32(const uint8_t* at, bool is_signed) {
   return is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
 }
 
+// Bit `bit` of each byte of v moved to bit 4 (the fifth bit of a code), the others cleared.
+inline __m256i fifth_bit(__m256i v, int bit) {
+  return _mm256_and_si256(bit <= 4 ? _mm256_slli_epi16(v, 4 - bit) : shift_right(v, bit - 4), _mm256_set1_epi8(16));
+}
+
 // The 32-value formats: a block's integer dot per row, then d * dx * dot + offset * ds, the offset being
 // what the format's zero point or minimum adds per input unit (Q4_0's -8 d, Q4_1's m), as row_tile does.
 template <int64_t kType>
@@ -340,10 +345,9 @@ struct Blocks32x8 {
       for (int q = 0; q < 4; ++q) {
         const __m256i w = load32(codes + 32 * q);
         __m256i low = low4(w), high = low4(shift_right(w, 4));
-        if constexpr (kFifth) {  // bit 2q + h of each byte to bit 4
-          const __m256i bit4 = _mm256_set1_epi8(16);
-          low = _mm256_or_si256(low, _mm256_and_si256(2 * q <= 4 ? _mm256_slli_epi16(fifth, 4 - 2 * q) : shift_right(fifth, 2 * q - 4), bit4));
-          high = _mm256_or_si256(high, _mm256_and_si256(2 * q + 1 <= 4 ? _mm256_slli_epi16(fifth, 3 - 2 * q) : shift_right(fifth, 2 * q - 3), bit4));
+        if constexpr (kFifth) {
+          low = _mm256_or_si256(low, fifth_bit(fifth, 2 * q));
+          high = _mm256_or_si256(high, fifth_bit(fifth, 2 * q + 1));
         }
         if constexpr (kType == blocks::kIQ4_NL) {
           meet(_mm256_shuffle_epi8(iq4_grid(), low), 8 * q, true);
@@ -368,24 +372,31 @@ struct Blocks32x8 {
   }
 };
 
-// Q4_K: d * scale_j * q - dmin * min_j per sub-block; the block's integers are exact in int32.
-struct Q4_Kx8 {
+// Q4_K and Q5_K: d * scale_j * q - dmin * min_j per sub-block; the block's integers are exact in int32.
+template <bool kFifth>
+struct KQuantx8 {
   static constexpr int64_t kValues = 256;
-  static constexpr int64_t kGroupBytes = blocks::kGroupRows * 148;
+  static constexpr int64_t kSubBlockBytes = 128 + 32 * kFifth;  // the fifth bits' vector, then 4 nibble vectors
+  static constexpr int64_t kGroupBytes = 160 + 8 * kSubBlockBytes;
 
   template <int inputs>
   static inline void group(const uint8_t* g, const Acts& x, int64_t m0, int64_t n, __m256* acc) {
     const uint8_t* scales = g + 32;
     const uint8_t* minimums = g + 96;
-    const uint8_t* codes = g + 160;
     __m256i total[inputs];
     for (int i = 0; i < inputs; ++i) total[i] = _mm256_setzero_si256();
     for (int j = 0; j < 8; ++j) {
+      const uint8_t* codes = g + 160 + kSubBlockBytes * j;
+      const __m256i fifth = kFifth ? load32(codes) : _mm256_setzero_si256();
       __m256i low_sum[inputs], high_sum[inputs];  // two chains, not one: no long dependency to wait on
       for (int i = 0; i < inputs; ++i) low_sum[i] = high_sum[i] = _mm256_setzero_si256();
       for (int quarter = 0; quarter < 4; ++quarter) {
-        const __m256i w = load32(codes + 32 * (4 * j + quarter));
-        const __m256i low = low4(w), high = low4(shift_right(w, 4));
+        const __m256i w = load32(codes + 32 * kFifth + 32 * quarter);
+        __m256i low = low4(w), high = low4(shift_right(w, 4));
+        if constexpr (kFifth) {
+          low = _mm256_or_si256(low, fifth_bit(fifth, 2 * quarter));
+          high = _mm256_or_si256(high, fifth_bit(fifth, 2 * quarter + 1));
+        }
         for (int i = 0; i < inputs; ++i) {
           const uint8_t* in = input_codes(x, m0 + i, n) + 32 * j + 8 * quarter;
           low_sum[i] = dot4_add(low_sum[i], low, broadcast4(in));
@@ -408,6 +419,37 @@ struct Q4_Kx8 {
       acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(total[i]), acc[i]);
       acc[i] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(minimum), acc[i]);
     }
+  }
+};
+
+// IQ4_XS: d * (scale_j - 32) * grid[q] per sub-block of 32, the grid's signed values through the sign trick.
+struct IQ4_XSx8 {
+  static constexpr int64_t kValues = 256;
+  static constexpr int64_t kGroupBytes = 80 + 8 * 128;
+
+  template <int inputs>
+  static inline void group(const uint8_t* g, const Acts& x, int64_t m0, int64_t n, __m256* acc) {
+    const __m256i grid = iq4_grid();
+    __m256i total[inputs];
+    for (int i = 0; i < inputs; ++i) total[i] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      __m256i sums[inputs];
+      for (int i = 0; i < inputs; ++i) sums[i] = _mm256_setzero_si256();
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        const __m256i w = load32(g + 80 + 128 * j + 32 * quarter);
+        const __m256i low = _mm256_shuffle_epi8(grid, low4(w)), high = _mm256_shuffle_epi8(grid, low4(shift_right(w, 4)));
+        for (int i = 0; i < inputs; ++i) {
+          const uint8_t* in = input_codes(x, m0 + i, n) + 32 * j + 8 * quarter;
+          sums[i] = dot4_add(sums[i], _mm256_abs_epi8(low), _mm256_sign_epi8(broadcast4(in), low));
+          sums[i] = dot4_add(sums[i], _mm256_abs_epi8(high), _mm256_sign_epi8(broadcast4(in + 4), high));
+        }
+      }
+      const __m256i scale = bytes_to_int32(g + 16 + 8 * j, true);
+      for (int i = 0; i < inputs; ++i) total[i] = _mm256_add_epi32(total[i], _mm256_mullo_epi32(sums[i], scale));
+    }
+    const __m256 d = halves8(g);
+    for (int i = 0; i < inputs; ++i)
+      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(input_scale(x, m0 + i, n))), _mm256_cvtepi32_ps(total[i]), acc[i]);
   }
 };
 
@@ -561,7 +603,9 @@ void dot_rows(const Segment& s, int64_t r0, int64_t r1, const Acts& x, int64_t m
     case blocks::kRepacked + blocks::kQ5_1: return groups_of<Blocks32x8<blocks::kQ5_1>>(s, r0, r1, x, m0, m1, out);
     case blocks::kRepacked + blocks::kQ8_0: return groups_of<Blocks32x8<blocks::kQ8_0>>(s, r0, r1, x, m0, m1, out);
     case blocks::kRepacked + blocks::kIQ4_NL: return groups_of<Blocks32x8<blocks::kIQ4_NL>>(s, r0, r1, x, m0, m1, out);
-    case blocks::kRepacked + blocks::kQ4_K: return groups_of<Q4_Kx8>(s, r0, r1, x, m0, m1, out);
+    case blocks::kRepacked + blocks::kQ4_K: return groups_of<KQuantx8<false>>(s, r0, r1, x, m0, m1, out);
+    case blocks::kRepacked + blocks::kQ5_K: return groups_of<KQuantx8<true>>(s, r0, r1, x, m0, m1, out);
+    case blocks::kRepacked + blocks::kIQ4_XS: return groups_of<IQ4_XSx8>(s, r0, r1, x, m0, m1, out);
     case blocks::kRepacked + blocks::kQ6_K: return groups_of<Q6_Kx8>(s, r0, r1, x, m0, m1, out);
     case blocks::kQ4_0: return rows_of<Q4_0>(s, r0, r1, x, m0, m1, out);
     case blocks::kQ4_1: return rows_of<Q4_1>(s, r0, r1, x, m0, m1, out);

@@ -21,8 +21,11 @@ enum Type : int64_t {
 // - Q5_0/Q5_1 x8: d[8] (Q5_1: m[8]); fifth bits (a vector: row byte k, bit 2q + h = the fifth bit of value
 //   8q + 4h + k); then the 4 nibble vectors.
 // - Q8_0 x8: d[8]; 8 vectors of signed codes, vector v holding values 4v..4v+3.
-// - Q4_K x8: d[8], dmin[8]; scales[8 sub-blocks][8 rows] and minimums[4 sub-block pairs][8 rows][2] (uint8);
-//   then per sub-block its 4 nibble vectors (148 bytes a row-block: the scales unpacked from 12 to 16).
+// - Q4_K / Q5_K x8: d[8], dmin[8]; scales[8 sub-blocks][8 rows] and minimums[4 sub-block pairs][8 rows][2]
+//   (uint8); then per sub-block (Q5_K: its fifth bits' vector, as Q5_0's, then) its 4 nibble vectors
+//   (148 / 180 bytes a row-block: the scales unpacked from 12 bytes to 16, Q5_K's fifth bits 4 bytes more).
+// - IQ4_XS x8: d[8]; scales[8 sub-blocks][8 rows] (int8, less 32 already); per sub-block its 4 nibble vectors
+//   (138 bytes a row-block: the scales unpacked).
 // - Q6_K x8: d[8]; scales[16 sub-blocks][8 rows] (int8); then per sub-block of 16 values: 2 nibble vectors
 //   of the low four bits and one vector of the top two (row byte k: bits 0-1 value k, 4-5 value 4 + k, 2-3
 //   value 8 + k, 6-7 value 12 + k).
@@ -31,7 +34,9 @@ constexpr int64_t kGroupRows = 8;
 
 constexpr bool repacked(int64_t type) {
   switch (type - kRepacked) {
-    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kIQ4_NL: case kQ4_K: case kQ6_K: return true;
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kIQ4_NL: case kQ4_K: case kQ5_K: case kQ6_K:
+    case kIQ4_XS:
+      return true;
     default: return false;
   }
 }
@@ -46,7 +51,9 @@ constexpr int64_t block_values(int64_t type) {
 }
 
 constexpr int64_t block_bytes(int64_t type) {
-  if (type == kRepacked + kQ4_K) return 148;  // its scales and minimums unpacked
+  if (type == kRepacked + kQ4_K) return 148;  // the scales and minimums unpacked
+  if (type == kRepacked + kQ5_K) return 180;  // and the fifth bits laid out per sub-block
+  if (type == kRepacked + kIQ4_XS) return 138;
   switch (repacked(type) ? type - kRepacked : type) {
     case kQ4_0: case kIQ4_NL: return 18;
     case kQ4_1: return 20;

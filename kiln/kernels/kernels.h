@@ -21,6 +21,10 @@ torch::Tensor unpack(torch::Tensor w, c10::optional<torch::Tensor> scale, int64_
 torch::Tensor linear_blocks(torch::Tensor x, torch::Tensor data, torch::Tensor segments, c10::optional<torch::Tensor> columns,
                             c10::optional<torch::Tensor> bias, int64_t N);
 
+// repack.cpp
+int64_t repacked_row_bytes(int64_t type, int64_t cols);
+int64_t repack_blocks(torch::Tensor stored, int64_t type, torch::Tensor out);
+
 // attention.cpp
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pages, torch::Tensor v_pages, torch::Tensor block_table,
                               torch::Tensor first_pos, torch::Tensor row_seq, torch::Tensor row_pos, int64_t window,

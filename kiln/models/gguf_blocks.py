@@ -1,17 +1,16 @@
 """The weight format of GGUF block types: linear layers that compute a GGUF file's quantised tensors in
-the file's own blocks (kernels/blocks.cpp), read where they lie in the file, mapped into memory.
+the file's own blocks (kernels/blocks.cpp), from the file mapped into memory.
 
 Why: decoding reads every weight once per token, and on a CPU that read is the bound. Re-quantising a
 Q4_K file to int8 read 1.7x the bytes llama.cpp reads, rounded the weights a second time (SmolLM2's
 greedy output left llama.cpp's at the first token of a code prompt), and kept a converted copy in the
-weight cache and in memory. Here the file is the copy: nothing is converted, written or cached, and the
-process holds the file's pages that a step reads, shared with every other process that maps the file.
+weight cache and in memory. Here nothing is converted, written or cached: the blocks are the file's.
 
-How the common types compute: their blocks are repacked at load, eight rows to a group
-(kiln/models/block_repack.py), so that a vector lane holds a row. The repacked copy is the layer's own
-memory; the file's pages it came from are handed back, so the process still holds about the file's size.
-A part that does not fill whole groups of eight rows (or a type that does not repack: Q5_K, IQ4_XS) is
-copied as stored beside the repacked ones.
+How: every type is repacked at load, eight rows to a group (kernels/repack.cpp, the layouts
+kernels/blocks.h describes), so that a vector lane holds a row; the layer's own memory holds its parts (a part that does not fill whole groups of
+eight rows copied as stored beside them), and the file's pages they came from are handed back, so the
+process still holds about the file's size. A layer none of whose parts fills whole groups computes them
+where they lie in the mapping, whose pages are shared with every other process that maps the file.
 
 Which layers: every linear layer (a fused q/k/v or gate/up layer: each of its tensors) whose tensors are
 all in BLOCK_TYPES with its width whole blocks of them, and the LM head (a tied head computes with the
@@ -38,7 +37,6 @@ from gguf.constants import GGML_QUANT_SIZES
 from torch import nn
 
 from kiln.kernels import kernels
-from kiln.models.block_repack import GROUP_ROWS, REPACKABLE, REPACKED, repack
 from kiln.models.tensor_source import FileBlocks, TensorSource
 
 if TYPE_CHECKING:
@@ -49,6 +47,7 @@ BLOCK_TYPES = frozenset(
     GGML[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 )
 _EMBEDDINGS = "model.embed_tokens.weight"
+GROUP_ROWS = 8  # kernels/blocks.h kGroupRows: rows repacked into one group
 
 
 class BlockLinear(nn.Module):
@@ -146,23 +145,28 @@ def mapped_file(files: dict[Path, MappedFile], path: Path) -> MappedFile:
 
 def _layer_data(file: MappedFile, parts: Sequence[FileBlocks], cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The bytes a layer computes with and its segments (byte offset, rows, type) in them: the file's own
-    when no part repacks; else the layer's own copy, its parts of REPACKABLE types repacked (those that
-    start and end on a group of eight rows), the rest as stored, and the file's pages of every part
-    handed back."""
-    repacks = [part.ggml_type in REPACKABLE and part.rows % GROUP_ROWS == 0 and first % GROUP_ROWS == 0
-               for part, first in zip(parts, itertools.accumulate([0, *(part.rows for part in parts)]), strict=False)]
-    if not any(repacks):
+    when no part repacks; else the layer's own copy, its parts that start and end on a group of eight
+    rows repacked, the rest as stored, and the file's pages of every part handed back."""
+    firsts = itertools.accumulate([0, *(part.rows for part in parts)])
+    repacked = [kernels().repacked_row_bytes(part.ggml_type, cols) if part.rows % GROUP_ROWS == first % GROUP_ROWS == 0 else 0
+                for part, first in zip(parts, firsts, strict=False)]
+    if not any(repacked):
         return file.data, torch.tensor([[part.offset, part.rows, part.ggml_type] for part in parts], dtype=torch.long)
-    pieces, segments, offset = [], [], 0
-    for part, grouped in zip(parts, repacks, strict=True):
-        size = part.rows * row_bytes(part.ggml_type, cols)
-        stored = file.data[part.offset : part.offset + size]
-        piece = repack(stored.view(part.rows, -1), part.ggml_type) if grouped else stored.clone()
-        file.release(part.offset, size)
-        pieces.append(piece)
-        segments.append([offset, part.rows, REPACKED + part.ggml_type if grouped else part.ggml_type])
-        offset += piece.numel()
-    return torch.cat(pieces), torch.tensor(segments, dtype=torch.long)
+    sizes = [part.rows * (row or row_bytes(part.ggml_type, cols)) for part, row in zip(parts, repacked, strict=True)]
+    data = torch.empty(sum(sizes), dtype=torch.uint8)
+    segments, offset = [], 0
+    for part, row, size in zip(parts, repacked, sizes, strict=True):
+        stored_size = part.rows * row_bytes(part.ggml_type, cols)
+        stored, out = file.data[part.offset : part.offset + stored_size], data[offset : offset + size]
+        ggml_type = part.ggml_type
+        if row:
+            ggml_type = kernels().repack_blocks(stored.view(part.rows, -1), part.ggml_type, out)
+        else:
+            out.copy_(stored)
+        file.release(part.offset, stored_size)
+        segments.append([offset, part.rows, ggml_type])
+        offset += size
+    return data, torch.tensor(segments, dtype=torch.long)
 
 
 def _columns(parts: Sequence[FileBlocks]) -> torch.Tensor | None:

@@ -96,6 +96,13 @@ logger = logging.getLogger(__name__)
 _logged_names: set[str] = set()  # the ignored fields' names logged so far
 
 
+def one_message(value: object, handler: ValidatorFunctionWrapHandler, message: str) -> Any:  # noqa: ANN401
+    """A wrap validator's value, validated, or one clear error instead of one per branch of its union."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise ValueError(message) from None
+
 class Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
@@ -181,11 +188,7 @@ class GenerateBody(Body):
     @field_validator("stop", mode="wrap")
     @classmethod
     def _stop_shape(cls, stop: object, handler: ValidatorFunctionWrapHandler) -> str | list[str] | None:
-        """One clear message instead of one per union branch."""
-        try:
-            return handler(stop)
-        except ValidationError:
-            raise ValueError("must be a string or an array of strings") from None
+        return one_message(stop, handler, "must be a string or an array of strings")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -335,11 +338,9 @@ class CompletionBody(OpenAIBody):
     @field_validator("prompt", mode="wrap")
     @classmethod
     def _prompt_shape(cls, prompt: object, handler: ValidatorFunctionWrapHandler) -> str | list:
-        """One clear message instead of one per union branch; at most MAX_PROMPTS prompts."""
-        try:
-            prompt = handler(prompt)
-        except ValidationError:
-            raise ValueError("must be a string, an array of token ids, or an array of strings or of token-id arrays") from None
+        """At most MAX_PROMPTS prompts."""
+        prompt = one_message(prompt, handler, "must be a string, an array of token ids, or an array of strings or of "
+                                              "token-id arrays")
         if isinstance(prompt, list) and len(prompt) > MAX_PROMPTS and not isinstance(prompt[0], int):
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
         return prompt
@@ -428,19 +429,12 @@ class ChatBody(OpenAIBody):
     @field_validator("tool_choice", mode="wrap")
     @classmethod
     def _tool_choice_shape(cls, choice: object, handler: ValidatorFunctionWrapHandler) -> object:
-        """One clear message instead of one per union branch."""
-        try:
-            return handler(choice)
-        except ValidationError:
-            raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}') from None
+        return one_message(choice, handler, 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
 
     @field_validator("modalities", mode="wrap")
     @classmethod
     def _text_only(cls, modalities: object, handler: ValidatorFunctionWrapHandler) -> list[str] | None:
-        try:
-            return handler(modalities)
-        except ValidationError:
-            raise ValueError('Kiln writes text only: modalities may only be ["text"]') from None
+        return one_message(modalities, handler, 'Kiln writes text only: modalities may only be ["text"]')
 
     @field_validator("functions", "function_call")
     @classmethod

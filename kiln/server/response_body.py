@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidatorFunctionWrapHandler, field_validator
-from pydantic import ValidationError as PydanticValidationError
 
 from kiln.engine.constraints import Constraint
 from kiln.engine.sampler import INT32_MAX
@@ -24,6 +23,7 @@ from kiln.server.http_models import (
     OpenAIObject,
     OpenAIRequest,
     TextFormat,
+    one_message,
 )
 from kiln.server.service import GenerateRequest
 
@@ -87,20 +87,13 @@ class ResponseBody(OpenAIRequest):
     @field_validator("tool_choice", mode="wrap")
     @classmethod
     def _tool_choice_shape(cls, choice: object, handler: ValidatorFunctionWrapHandler) -> object:
-        """One clear message instead of one per union branch."""
-        try:
-            return handler(choice)
-        except PydanticValidationError:
-            raise ValueError('must be "none", "auto", "required" or {"type": "function", "name": ...} (Kiln runs '
-                             "function tools only)") from None
+        return one_message(choice, handler, 'must be "none", "auto", "required" or {"type": "function", "name": ...} '
+                                            "(Kiln runs function tools only)")
 
     @field_validator("background", "conversation", "prompt", mode="wrap")
     @classmethod
     def _refused(cls, value: object, handler: ValidatorFunctionWrapHandler, info: Any) -> object:  # noqa: ANN401
-        try:
-            return handler(value)
-        except PydanticValidationError:
-            raise ValueError(REFUSED[info.field_name]) from None
+        return one_message(value, handler, REFUSED[info.field_name])
 
     def generate_request(self, constraint: Constraint | None) -> GenerateRequest:
         return GenerateRequest(max_tokens=self.max_output_tokens, temperature=self.temperature, top_p=self.top_p,

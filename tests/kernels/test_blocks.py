@@ -22,7 +22,6 @@ import torch
 
 from kiln.errors import InvariantViolation
 from kiln.kernels import kernels, supported
-from kiln.models.block_repack import REPACKABLE, REPACKED, repack
 from kiln.models.gguf_blocks import BLOCK_TYPES
 
 pytestmark = pytest.mark.skipif(not supported(), reason="Kiln's CPU kernels do not run on this machine")
@@ -180,18 +179,19 @@ def test_an_unknown_or_missing_instruction_set_is_refused() -> None:
     assert kernels().isa() in PATHS
 
 
-REPACKED_TYPES = sorted(t.name for t in REPACKABLE)
-Q4_KX8 = REPACKED + int(gguf.GGMLQuantizationType.Q4_K)
+Q4_KX8 = 1000 + int(gguf.GGMLQuantizationType.Q4_K)  # blocks.h's kRepacked + Q4_K
 
 
 def repacked_linear(x: torch.Tensor, raw: np.ndarray, name: str) -> torch.Tensor:
     """The kernel over rows of `name` repacked eight to a group (blocks.h's kRepacked), as a layer loads them."""
     qtype = int(gguf.GGMLQuantizationType[name])
-    segments = torch.tensor([[0, raw.shape[0], REPACKED + qtype]])
-    return kernels().linear_blocks(x, repack(torch.from_numpy(raw), qtype), segments, None, None, raw.shape[0])
+    cols = x.shape[-1]
+    data = torch.empty(raw.shape[0] * kernels().repacked_row_bytes(qtype, cols), dtype=torch.uint8)
+    segments = torch.tensor([[0, raw.shape[0], kernels().repack_blocks(torch.from_numpy(raw), qtype, data)]])
+    return kernels().linear_blocks(x, data, segments, None, None, raw.shape[0])
 
 
-@pytest.mark.parametrize("name", REPACKED_TYPES)
+@pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("inputs", [1, 2, 3, 4, 7, 70])
 def test_repacked_blocks_compute_as_their_dequantisation(name: str, inputs: int, isa: str) -> None:
     raw = random_blocks(name, 24, 512, seed=inputs)
@@ -201,7 +201,7 @@ def test_repacked_blocks_compute_as_their_dequantisation(name: str, inputs: int,
     check_against_reference(x, raw, name, repacked_linear(torch.from_numpy(x), raw, name).numpy())
 
 
-@pytest.mark.parametrize("name", REPACKED_TYPES)
+@pytest.mark.parametrize("name", TYPES)
 def test_ggml_quantised_rows_compute_as_their_dequantisation_when_repacked(name: str, isa: str) -> None:
     recorded = np.frombuffer(base64.b64decode(FIXTURE["types"][name]["quantized"]), np.uint8).reshape(FIXTURE["rows"], -1)
     raw = np.concatenate([recorded, recorded, recorded[:2]])  # ggml's rows, then as many again: a group of 8
@@ -209,7 +209,7 @@ def test_ggml_quantised_rows_compute_as_their_dequantisation_when_repacked(name:
     check_against_reference(x, raw, name, repacked_linear(torch.from_numpy(x), raw, name).numpy())
 
 
-@pytest.mark.parametrize("name", REPACKED_TYPES)
+@pytest.mark.parametrize("name", TYPES)
 def test_repacked_rows_give_the_same_bits_on_both_paths_and_in_any_batch(name: str) -> None:
     raw = random_blocks(name, 32, 512, seed=5)
     x = torch.randn(9, 512)
@@ -233,3 +233,13 @@ def test_repacked_segments_off_their_groups_are_refused(segments: list[list[int]
     data = torch.zeros(16 * 1184, dtype=torch.uint8)
     with pytest.raises(InvariantViolation, match=message):
         kernels().linear_blocks(torch.randn(1, 256), data, torch.tensor(segments), None, None, rows)
+
+
+def test_repacking_refuses_rows_off_their_groups_and_a_wrong_size() -> None:
+    raw = torch.from_numpy(random_blocks("Q4_0", 12, 256, seed=0))
+    with pytest.raises(InvariantViolation, match="groups of 8"):
+        kernels().repack_blocks(raw, 2, torch.empty(12 * 144, dtype=torch.uint8))
+    with pytest.raises(InvariantViolation, match="out: contiguous uint8 of 1152 bytes"):
+        kernels().repack_blocks(raw[:8], 2, torch.empty(1000, dtype=torch.uint8))
+    assert kernels().repacked_row_bytes(10, 256) == 0  # Q2_K: not computed here
+    assert kernels().repacked_row_bytes(12, 512) == 2 * 148  # Q4_K: its scales unpacked

@@ -16,7 +16,6 @@ from torch import nn
 from kiln.config import EngineConfig
 from kiln.engine.engine import build_engine_model
 from kiln.kernels import supported
-from kiln.models.block_repack import REPACKED
 from kiln.models.gguf_blocks import BlockLinear, mapped_file
 from kiln.models.loader import load_model
 from kiln.models.quant import QuantizedLinear
@@ -111,10 +110,11 @@ def test_a_layer_reads_the_file_s_bytes_in_place(tmp_path: Path) -> None:
     torch.testing.assert_close(qkv(x), rounded @ weight.T + bias, rtol=1e-4, atol=1e-5)
 
 
-def test_q4_k_parts_compute_from_a_repacked_copy_and_other_parts_as_stored(tmp_path: Path) -> None:
-    """A fused layer as Q4_K_M files hold them: Q4_K and Q6_K parts in whole groups of eight rows, then one
-    that is not, and a type that does not repack. The whole groups are repacked into the layer's own
-    bytes, the rest copied as stored, and the layer computes what the file's blocks dequantised give."""
+def test_parts_in_whole_groups_compute_from_a_repacked_copy_and_other_parts_as_stored(tmp_path: Path) -> None:
+    """A fused layer as K-quant files hold them: Q4_K and Q6_K parts in whole groups of eight rows, then
+    one that is not, and one that does not start on a group. The whole groups are repacked into the
+    layer's own bytes, the rest copied as stored, and the layer computes what the file's blocks
+    dequantised give."""
     shapes = [("Q4_K", 16), ("Q6_K", 8), ("Q4_K", 4), ("Q5_K", 8)]
     raws = [random_blocks(name, rows, 512, seed=i) for i, (name, rows) in enumerate(shapes)]
     path = tmp_path / "blocks.bin"
@@ -125,7 +125,7 @@ def test_q4_k_parts_compute_from_a_repacked_copy_and_other_parts_as_stored(tmp_p
     layer = BlockLinear(mapped_file({}, path), parts, 512, None)
 
     types = [int(gguf.GGMLQuantizationType[name]) for name, _ in shapes]
-    assert layer.segments[:, 2].tolist() == [REPACKED + types[0], REPACKED + types[1], types[2], types[3]]
+    assert layer.segments[:, 2].tolist() == [1000 + types[0], 1000 + types[1], types[2], types[3]]  # blocks.h kRepacked
     assert layer.data.numel() == 16 * 2 * 148 + sum(raw.nbytes for raw in raws[1:])  # Q4_K: 148 bytes a row-block
     x = np.random.default_rng(0).standard_normal((3, 512)).astype(np.float32)
     weight = np.concatenate([gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name])
