@@ -10,10 +10,12 @@ they are timed apart as `first_turn_s`).
 - kiln-grpc: a fresh `kiln serve` (default engine: int8 weights, n-gram speculation), N client threads,
   one gRPC session each (Python SDK: append, stream the generate); the engine batches whatever the
   agents have in flight.
-- llamacpp: llama.cpp's own multi-sequence API (bench/peers.py LlamaBatchDecoder): one context with a
-  KV sequence per agent, every turn run in lockstep (all agents' new ids in shared llama_decode
+- llamacpp: llama.cpp's own multi-sequence API (bench/llama_cpp_worker.py LlamaBatchDecoder): one context
+  with a KV sequence per agent, every turn run in lockstep (all agents' new ids in shared llama_decode
   batches, then one llama_decode per generated token for all of them). This is llama.cpp's best case:
-  no agent waits for another's think time, and batching is perfect.
+  no agent waits for another's think time, and batching is perfect. It runs in a process of its own
+  (under `--peer-python` or this Python) without the OpenMP wait policy `import kiln` sets for this one;
+  turns are timed here, around each call.
 - llamacpp-server: `python -m llama_cpp.server` as a user runs it, N client threads posting the whole
   conversation as text (its server takes no token ids) to /v1/completions; it serves one request at a
   time and keeps one prompt cache. Its generated token count is its reply re-tokenized.
@@ -43,6 +45,7 @@ from typing import Any
 import common
 import peers
 import servers
+from llama_cpp_worker import LlamaProcess
 from long_session import scripted_turns
 
 SYSTEMS = ("kiln-grpc", "llamacpp", "llamacpp-server")
@@ -139,25 +142,21 @@ def kiln_agents(server: servers.Server, scripts: list[list[list[int]]], gen_toke
 
 
 def run_llamacpp(loaded: Any, scripts: list[list[list[int]]], args: argparse.Namespace) -> dict[str, Any]:
-    llama = peers.open_llama(str(loaded.source), 64)
     length = args.first_tokens + args.turns * (args.new_tokens + args.gen_tokens) + 64
-    decoder = peers.LlamaBatchDecoder(llama, len(scripts), length)
-    try:
-        decoder.start_sessions()
+    with LlamaProcess(args.peer_python or sys.executable, common.peer_environment(), str(loaded.source), 64,
+                      len(scripts), length) as llama:
+        llama.start_sessions()
         start = time.perf_counter()
-        decoder.turn([s[0] for s in scripts], args.gen_tokens)
+        llama.turn([s[0] for s in scripts], args.gen_tokens)
         first_s = time.perf_counter() - start
         latencies, generated = [], 0
         start = time.perf_counter()
         for turn in range(1, args.turns + 1):
             begin = time.perf_counter()
-            outputs = decoder.turn([s[turn] for s in scripts], args.gen_tokens)
+            outputs = llama.turn([s[turn] for s in scripts], args.gen_tokens)
             latencies += [time.perf_counter() - begin] * len(scripts)  # every agent waits for the whole turn
             generated += sum(map(len, outputs))
         return {**stats(latencies, generated, time.perf_counter() - start), "first_turn_s": first_s}
-    finally:
-        decoder.close()
-        llama.close()
 
 
 def run_llamacpp_server(loaded: Any, scripts: list[list[list[int]]], args: argparse.Namespace) -> dict[str, Any]:
@@ -214,6 +213,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=50)
     parser.add_argument("--gen-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=3, help="runs of kiln-grpc and llamacpp per N")
+    parser.add_argument("--peer-python", help="a Python with llama-cpp-python for llamacpp, when this one has none "
+                                              "(llamacpp-server runs under this Python)")
     args = common.parse_run_args(parser, "agents", "agents 1 and 2, 2 turns", _quick)
     systems = [s for s in args.peers.split(",") if s]
     _, machine, loaded = common.start("kiln")
@@ -228,7 +229,8 @@ def main() -> None:
             for system in systems:
                 if system == "llamacpp-server" and repeat:
                     continue
-                missing = common.missing_reason("llamacpp" if system.startswith("llamacpp") else "kiln-grpc")
+                peer_python = args.peer_python if system == "llamacpp" else None
+                missing = peers.missing_reason("llamacpp" if system.startswith("llamacpp") else "kiln-grpc", peer_python)
                 if missing:
                     results[system][str(n)] = {"skipped": missing}
                     continue

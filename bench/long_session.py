@@ -19,7 +19,10 @@ over the new ids to the last generated token.
   turns HF's history takes Kiln's tokens for that turn without running: greedy on the same fp32
   weights, they are the tokens HF produces itself (every timed turn checks this; see the agreement).
 - llamacpp: llama-cpp-python `generate` with the full history every turn; it reuses the longest
-  common token prefix with its previous call, which the per-turn `prefill_tokens` confirms.
+  common token prefix with its previous call, which the per-turn `prefill_tokens` confirms. It runs in a
+  process of its own that keeps the history (bench/llama_cpp_worker.py, under `--peer-python` or this
+  Python), without the OpenMP wait policy `import kiln` sets for this one; turns are timed here, around
+  each call, and its `cpu_share_of_threads` is the worker's.
 
 Target: Kiln's median latency over turns 190-200 <= 1.3 x its median over turns 5-15 (the late window
 is the last 11 turns when --turns is smaller); the same ratio is reported for each peer.
@@ -38,6 +41,7 @@ from typing import Any
 import common
 import peers
 import servers
+from llama_cpp_worker import LlamaProcess
 
 EARLY_WINDOW = (5, 15)
 LATE_WINDOW_TURNS = 11
@@ -265,48 +269,34 @@ class OpenAIRunner:
 
 
 class LlamaCppRunner:
-    """llama-cpp-python `generate` over the full history; counts the tokens it really evaluates."""
+    """llama-cpp-python `generate` over the full history, in llama.cpp's worker process (which keeps the
+    history); counts the tokens it really evaluates."""
 
-    def __init__(self, loaded: Any, gen_tokens: int, max_tokens: int) -> None:
-        self.llama = peers.open_llama(str(loaded.source), max_tokens)
+    def __init__(self, loaded: Any, gen_tokens: int, max_tokens: int, python: str) -> None:
+        self.llama = LlamaProcess(python, common.peer_environment(), str(loaded.source), max_tokens)
         self.config = loaded.config
         self.gen_tokens = gen_tokens
-        self.history: list[int] = []
-        self.evaluated = 0
-        evaluate = self.llama.eval
-
-        def counting_eval(tokens: list[int]) -> None:
-            self.evaluated += len(tokens)
-            evaluate(tokens)
-
-        self.llama.eval = counting_eval  # generate() calls self.eval: count what it computes
-
-    def _generate(self, prompt: list[int]) -> list[int]:
-        out: list[int] = []
-        for token in self.llama.generate(prompt, temp=0.0, repeat_penalty=1.0, reset=True):
-            out.append(token)
-            if len(out) == self.gen_tokens:
-                break
-        return out
 
     def warm_up(self, ids: list[int]) -> None:
-        self._generate(ids)
+        self.llama.history_turn(ids, self.gen_tokens, fresh=True)
 
     def turn(self, index: int, new_ids: list[int]) -> TurnResult:
-        self.history += new_ids
-        self.evaluated = 0
         start = time.perf_counter()
-        generated = self._generate(self.history)
+        generated, evaluated = self.llama.history_turn(new_ids, self.gen_tokens, fresh=index == 1)
         latency = time.perf_counter() - start
-        prefill = self.evaluated - (len(generated) - 1)  # the rest were the generated tokens' decode steps
-        self.history += generated
+        prefill = evaluated - (len(generated) - 1)  # the rest were the generated tokens' decode steps
         return TurnResult(generated, latency, prefill)
+
+    def cpu_seconds(self) -> float:
+        """The worker's CPU seconds: llama.cpp's threads run there, not in this process."""
+        return self.llama.cpu_seconds()
 
     def notes(self) -> dict[str, Any]:
         return {
-            "n_ctx": self.llama.n_ctx(),
+            "n_ctx": self.llama.n_ctx,
             "prefix_reuse": "llama-cpp-python Llama.generate(reset=True) keeps the longest common prefix with its previous call",
-            "kv_bytes_per_token_all_layers": peers.llama_kv_bytes_per_token(self.llama, self.config),
+            "kv_bytes_per_token_all_layers": self.llama.kv_bytes_per_token(self.config),
+            "process": "bench/llama_cpp_worker.py, without Kiln's OpenMP wait policy",
         }
 
     def close(self) -> None:
@@ -325,7 +315,7 @@ def make_runner(system: str, loaded: Any, args: argparse.Namespace, max_tokens: 
         return OpenAIRunner(loaded, args.gen_tokens)
     if system == "hf":
         return HFRunner(loaded, args, kiln_outputs)
-    return LlamaCppRunner(loaded, args.gen_tokens, max_tokens)
+    return LlamaCppRunner(loaded, args.gen_tokens, max_tokens, args.peer_python or sys.executable)
 
 
 def run_system(runner: Any, name: str, turns: list[list[int]], warm_ids: list[int]) -> tuple[Trace, list[list[int]]]:
@@ -381,6 +371,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hf-stride", type=int, default=50, help="HF: time every k-th turn between the windows")
     parser.add_argument("--hf-late-stride", type=int, default=5, help="HF: time every k-th turn of the late window")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--peer-python", help="a Python with llama-cpp-python, when this one has none")
     return common.parse_run_args(parser, "long_session", "12 turns", _quick)
 
 
@@ -397,19 +388,20 @@ def main() -> None:
     results: dict[str, Any] = {}
     kiln_outputs = kiln_latencies = None
     for system in systems:
-        reason = common.missing_reason(system)
+        reason = peers.missing_reason(system, args.peer_python)
         if reason:
             print(f"[{system}] skipped: {reason}", file=sys.stderr)
             results[system] = {"status": "skipped", "reason": reason}
             continue
         runner = make_runner(system, loaded, args, max_tokens, kiln_outputs)
-        cpu_start, wall_start = time.process_time(), time.perf_counter()
+        cpu_clock = getattr(runner, "cpu_seconds", time.process_time)  # llama.cpp computes in its worker
+        cpu_start, wall_start = cpu_clock(), time.perf_counter()
         try:
             trace, outputs = run_system(runner, system, turns, warm_ids)
             notes = runner.notes()
         finally:
             runner.close()
-        cpu_share = (time.process_time() - cpu_start) / ((time.perf_counter() - wall_start) * common.THREADS)
+        cpu_share = (cpu_clock() - cpu_start) / ((time.perf_counter() - wall_start) * common.THREADS)
         if system == "kiln":
             kiln_outputs = outputs
             kiln_latencies = trace.latency_s

@@ -8,6 +8,9 @@
   batch x (decode_tokens - 1) / (median time(decode_tokens) - median time(1)). This isolates the decode
   steps in every system without reaching into its internals. llama.cpp runs batches through its own
   batched C API (llama-cpp-python's high-level API has no batched decode).
+- llama.cpp runs in a process of its own (bench/llama_cpp_worker.py, under `--peer-python` or this Python)
+  without the OpenMP wait policy `import kiln` sets for this one; its timings are taken here around each
+  call, and its CPU seconds are the worker's.
 - All systems are loaded together and every repeat of every measurement runs on each of them in turn
   with the same ids, so load from other processes falls on them alike.
 - KV bytes per token: Kiln's from its engine; the peers' from their cache layout and dtype.
@@ -29,6 +32,7 @@ from typing import Any
 
 import common
 import peers
+from llama_cpp_worker import LlamaProcess
 
 _SEED_BASE = 1_000
 
@@ -82,22 +86,26 @@ class HFSystem:
 
 
 class LlamaCppSystem:
-    def __init__(self, loaded: Any, max_batch: int, max_prompt: int, seq_len: int) -> None:
+    """llama.cpp in its worker process: Llama.eval for prefill, its batched C API for decode."""
+
+    def __init__(self, loaded: Any, max_batch: int, max_prompt: int, seq_len: int, python: str) -> None:
         self.config = loaded.config
         self.weight_bytes = peers.gguf_tensor_bytes(str(loaded.source))
-        self.llama = peers.open_llama(str(loaded.source), max_prompt + 8)
-        self.batched = peers.LlamaBatchDecoder(self.llama, max_batch, seq_len)
+        self.llama = LlamaProcess(python, common.peer_environment(), str(loaded.source), max_prompt + 8, max_batch, seq_len)
 
     def prefill(self, ids: list[int]) -> None:
-        self.llama.reset()  # forget the previous prompt: eval() then clears its KV
-        self.llama.eval(ids)
+        self.llama.prefill(ids)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> int:
-        return sum(map(len, self.batched.generate(prompts, max_tokens)))
+        return sum(map(len, self.llama.generate(prompts, max_tokens)))
+
+    def cpu_seconds(self) -> float:
+        """The worker's CPU seconds: llama.cpp's threads run there, not in this process."""
+        return self.llama.cpu_seconds()
 
     def notes(self) -> dict[str, Any]:
         return {
-            "kv_bytes_per_token": peers.llama_kv_bytes_per_token(self.llama, self.config),
+            "kv_bytes_per_token": self.llama.kv_bytes_per_token(self.config),
             "kv_bytes_how": "2 x layers x kv_heads x head_dim x bytes of the context's type_k/type_v (f16)",
             "weights": "Q4_K_M GGUF with llama.cpp's quantised kernels",
             "weight_bytes_per_token": self.weight_bytes,
@@ -105,10 +113,10 @@ class LlamaCppSystem:
                                 "decode step reads the whole table",
             "decode_api": "llama.cpp C API batched decode (one llama_decode per step for all sequences), greedy argmax",
             "prefill_api": "Llama.eval (n_batch 2048, n_ubatch 512)",
+            "process": "bench/llama_cpp_worker.py, without Kiln's OpenMP wait policy",
         }
 
     def close(self) -> None:
-        self.batched.close()
         self.llama.close()
 
 
@@ -123,21 +131,24 @@ def make_system(name: str, loaded: Any, args: argparse.Namespace) -> Any:
         return KilnSystem(loaded, args.device, quantization="int8")
     if name == "hf":
         return HFSystem(loaded, args.device)
-    return LlamaCppSystem(loaded, max(args.batches), max(args.lengths), args.prompt_len + args.decode_tokens + 8)
+    return LlamaCppSystem(loaded, max(args.batches), max(args.lengths), args.prompt_len + args.decode_tokens + 8,
+                          args.peer_python or sys.executable)
 
 
 @dataclass
 class Meter:
     """Wall and process-CPU seconds of one system's timed calls: CPU / (wall x threads) well below 1
-    means the machine was shared while it ran."""
+    means the machine was shared while it ran. `cpu_clock`: the CPU seconds of the process the system
+    computes in (this one's, or llama.cpp's worker's)."""
 
+    cpu_clock: Callable[[], float] = time.process_time
     wall_s: float = 0.0
     cpu_s: float = 0.0
 
     def time(self, fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
-        cpu = time.process_time()
+        cpu = self.cpu_clock()
         seconds, result = common.timed(fn, *args)
-        self.cpu_s += time.process_time() - cpu
+        self.cpu_s += self.cpu_clock() - cpu
         self.wall_s += seconds
         return seconds, result
 
@@ -189,7 +200,7 @@ def run_all(names: list[str], loaded: Any, args: argparse.Namespace) -> dict[str
     """Build every system, warm each up once, then take each measurement on all of them in turn."""
     bos = loaded.config.bos_token_id
     systems = {name: make_system(name, loaded, args) for name in names}
-    meters = {name: Meter() for name in names}
+    meters = {name: Meter(getattr(system, "cpu_seconds", time.process_time)) for name, system in systems.items()}
     try:
         for system in systems.values():
             system.prefill([bos, *common.random_ids(127, seed=_SEED_BASE - 1)])
@@ -236,6 +247,7 @@ def parse_args() -> argparse.Namespace:
                              "embedded model (for machines the model file cannot reach; speed does not depend on values)")
     parser.add_argument("--peers", default="kiln,kiln-exact,kiln-deterministic,hf,llamacpp",
                         help="comma-separated subset of kiln,kiln-exact,kiln-deterministic,kiln-int8,hf,llamacpp")
+    parser.add_argument("--peer-python", help="a Python with llama-cpp-python, when this one has none")
     args = common.parse_run_args(parser, "throughput", "lengths 128,256, batches 1,4, 16 tokens, 2 repeats", _quick)
     if args.decode_tokens < 2:
         parser.error("--decode-tokens must be at least 2")
@@ -251,7 +263,7 @@ def main() -> None:
     systems, machine, loaded = common.start(args.peers, args.random_weights)
     results: dict[str, Any] = {}
     for name in systems:
-        reason = common.missing_reason(name)
+        reason = peers.missing_reason(name, args.peer_python)
         if reason:
             print(f"[{name}] skipped: {reason}", file=sys.stderr)
             results[name] = {"status": "skipped", "reason": reason}
