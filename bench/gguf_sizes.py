@@ -190,7 +190,7 @@ def _quick(args: argparse.Namespace) -> None:
 
 def plot(name: str, payload: dict[str, Any]) -> None:
     shapes = payload["shapes"]
-    labels = {"kiln": "Kiln (default engine)", "llamacpp": "llama.cpp (Q4_K_M)"}
+    labels = {"kiln": "Kiln (default engine)", "llamacpp": "llama.cpp (its own kernels)"}
     prefill = [(s, n) for s in shapes for n in shapes[s]["kiln"]["prefill_tokens_per_s"]]
     panels = [
         ("decode tokens/s (batch 1)", list(shapes),
@@ -201,7 +201,8 @@ def plot(name: str, payload: dict[str, Any]) -> None:
         (f"decode's fraction of {payload['read_bandwidth_gb_s']:.1f} GB/s", list(shapes),
          {labels[k]: [shapes[s][k]["fraction_of_bandwidth"] for s in shapes] for k in SYSTEMS}),
     ]
-    path = common.plot_bars(name, panels, "Kiln against llama.cpp on bigger Q4_K_M files (random weights, 2 threads)")
+    files = ", ".join(f"{s}: {shapes[s]['file']}" for s in shapes)
+    path = common.plot_bars(name, panels, f"Kiln against llama.cpp on the same GGUF files, 2 threads ({files})")
     if path:
         print("wrote", path)
 
