@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from kiln.tokenizer import Tokenizer
 
 CALL_HEADER = '{"name": "'  # how a call object begins: a reply that gets here is a call
-NAME_PATTERN = "[A-Za-z0-9_-]+"
-_OBJECT_HEADER = re.compile(rf'\{{"name": "({NAME_PATTERN})", "(?:arguments|parameters)": ')
+NAME_CHARS = "[A-Za-z0-9_-]"  # what a function name is made of
+_OBJECT_HEADER = re.compile(rf'\{{"name": "({NAME_CHARS}+)", "(?:arguments|parameters)": ')
 _ID_ALPHABET = string.ascii_letters + string.digits
 
 
@@ -63,7 +63,7 @@ class ToolSyntax:
         the name."""
         if not self.name_separator:
             return _OBJECT_HEADER
-        return re.compile(f"({NAME_PATTERN}){re.escape(self.name_separator)}")
+        return re.compile(f"({NAME_CHARS}+){re.escape(self.name_separator)}")
 
     @property
     def lead(self) -> str:

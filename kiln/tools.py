@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 from kiln.errors import InvalidArgumentError
 from kiln.tokenizer import Tokenizer
-from kiln.tool_syntax import CALL_HEADER, KILN, NAME_PATTERN, ToolSyntax, control_token_id
+from kiln.tool_syntax import CALL_HEADER, KILN, NAME_CHARS, ToolSyntax, control_token_id
 
-_NAME = re.compile(f"{NAME_PATTERN[:-1]}{{1,64}}")
+_NAME = re.compile(f"{NAME_CHARS}{{1,64}}")
 # the JSON layout of the call, as kiln/engine/constraints.py generates every JSON (no free whitespace)
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 TOOL_CHOICES = ("none", "auto", "required")

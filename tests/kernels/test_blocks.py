@@ -76,6 +76,22 @@ def linear(x: torch.Tensor, raw: np.ndarray, name: str, columns: torch.Tensor | 
     return kernels().linear_blocks(x, data, segments, columns, bias, raw.shape[0])
 
 
+Q4_KX8 = 1000 + int(gguf.GGMLQuantizationType.Q4_K)  # blocks.h's kRepacked + Q4_K
+
+
+def repacked_linear(x: torch.Tensor, raw: np.ndarray, name: str) -> torch.Tensor:
+    """The kernel over rows of `name` repacked eight to a group (blocks.h's kRepacked), as a layer loads them."""
+    qtype = int(gguf.GGMLQuantizationType[name])
+    cols = x.shape[-1]
+    data = torch.empty(raw.shape[0] * kernels().repacked_row_bytes(qtype, cols), dtype=torch.uint8)
+    segments = torch.tensor([[0, raw.shape[0], kernels().repack_blocks(torch.from_numpy(raw), qtype, data)]])
+    return kernels().linear_blocks(x, data, segments, None, None, raw.shape[0])
+
+
+# Each layout with the rows its tests use: as stored (any count), repacked (whole groups of eight).
+LAYOUTS = {"stored": (linear, 19), "repacked": (repacked_linear, 24)}
+
+
 def check_against_reference(x: np.ndarray, raw: np.ndarray, name: str, out: np.ndarray) -> None:
     weight = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name]).astype(np.float64)
     scale = np.abs(x.astype(np.float64)) @ np.abs(weight.T) + 1e-30
@@ -86,34 +102,40 @@ def check_against_reference(x: np.ndarray, raw: np.ndarray, name: str, out: np.n
     assert np.all(np.abs(out - exact) <= input_rounding(x, weight, per) + 2e-5 * scale), name
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", TYPES)
-def test_ggml_quantised_rows_compute_as_their_dequantisation(name: str, isa: str) -> None:
-    recorded = FIXTURE["types"][name]
-    raw = np.frombuffer(base64.b64decode(recorded["quantized"]), np.uint8).reshape(FIXTURE["rows"], -1)
+def test_ggml_quantised_rows_compute_as_their_dequantisation(name: str, layout: str, isa: str) -> None:
+    recorded = np.frombuffer(base64.b64decode(FIXTURE["types"][name]["quantized"]), np.uint8).reshape(FIXTURE["rows"], -1)
+    compute, _ = LAYOUTS[layout]
+    raw = recorded if layout == "stored" else np.concatenate([recorded, recorded, recorded[:2]])  # a group of 8
     x = np.random.default_rng(1).standard_normal((5, FIXTURE["cols"])).astype(np.float32)
-    check_against_reference(x, raw, name, linear(torch.from_numpy(x), raw, name).numpy())
+    check_against_reference(x, raw, name, compute(torch.from_numpy(x), raw, name).numpy())
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("inputs", [1, 2, 3, 4, 7, 70])
-def test_random_blocks_compute_as_their_dequantisation(name: str, inputs: int, isa: str) -> None:
-    raw = random_blocks(name, 19, 512, seed=inputs)
+def test_random_blocks_compute_as_their_dequantisation(name: str, inputs: int, layout: str, isa: str) -> None:
+    compute, rows = LAYOUTS[layout]
+    raw = random_blocks(name, rows, 512, seed=inputs)
     x = np.random.default_rng(inputs).standard_normal((inputs, 512)).astype(np.float32)
     x[:, :32] *= 50  # an outlier block: each block's scale is its own
     x[-1, 64:96] = 0  # an all-zero block
-    check_against_reference(x, raw, name, linear(torch.from_numpy(x), raw, name).numpy())
+    check_against_reference(x, raw, name, compute(torch.from_numpy(x), raw, name).numpy())
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", TYPES)
-def test_both_paths_give_the_same_bits_and_a_row_its_own_result_in_any_batch(name: str) -> None:
+def test_both_paths_give_the_same_bits_and_a_row_its_own_result_in_any_batch(name: str, layout: str) -> None:
+    compute, _ = LAYOUTS[layout]
     raw = random_blocks(name, 24, 256, seed=3)
     x = torch.randn(9, 256)
     results = []
     for path in PATHS if kernels().cpu_has_avx512_vnni() else PATHS[:1]:
         previous = kernels().use_isa(path)
         try:
-            results.append(linear(x, raw, name))
-            alone = [linear(x[i : i + 1], raw, name) for i in range(9)]
+            results.append(compute(x, raw, name))
+            alone = [compute(x[i : i + 1], raw, name) for i in range(9)]
         finally:
             kernels().use_isa(previous)
         assert torch.equal(torch.cat(alone), results[-1])
@@ -177,52 +199,6 @@ def test_an_unknown_or_missing_instruction_set_is_refused() -> None:
     with pytest.raises(InvariantViolation, match="unknown instruction set"):
         kernels().use_isa("sse2")
     assert kernels().isa() in PATHS
-
-
-Q4_KX8 = 1000 + int(gguf.GGMLQuantizationType.Q4_K)  # blocks.h's kRepacked + Q4_K
-
-
-def repacked_linear(x: torch.Tensor, raw: np.ndarray, name: str) -> torch.Tensor:
-    """The kernel over rows of `name` repacked eight to a group (blocks.h's kRepacked), as a layer loads them."""
-    qtype = int(gguf.GGMLQuantizationType[name])
-    cols = x.shape[-1]
-    data = torch.empty(raw.shape[0] * kernels().repacked_row_bytes(qtype, cols), dtype=torch.uint8)
-    segments = torch.tensor([[0, raw.shape[0], kernels().repack_blocks(torch.from_numpy(raw), qtype, data)]])
-    return kernels().linear_blocks(x, data, segments, None, None, raw.shape[0])
-
-
-@pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("inputs", [1, 2, 3, 4, 7, 70])
-def test_repacked_blocks_compute_as_their_dequantisation(name: str, inputs: int, isa: str) -> None:
-    raw = random_blocks(name, 24, 512, seed=inputs)
-    x = np.random.default_rng(inputs).standard_normal((inputs, 512)).astype(np.float32)
-    x[:, :32] *= 50
-    x[-1, 64:96] = 0
-    check_against_reference(x, raw, name, repacked_linear(torch.from_numpy(x), raw, name).numpy())
-
-
-@pytest.mark.parametrize("name", TYPES)
-def test_ggml_quantised_rows_compute_as_their_dequantisation_when_repacked(name: str, isa: str) -> None:
-    recorded = np.frombuffer(base64.b64decode(FIXTURE["types"][name]["quantized"]), np.uint8).reshape(FIXTURE["rows"], -1)
-    raw = np.concatenate([recorded, recorded, recorded[:2]])  # ggml's rows, then as many again: a group of 8
-    x = np.random.default_rng(1).standard_normal((5, FIXTURE["cols"])).astype(np.float32)
-    check_against_reference(x, raw, name, repacked_linear(torch.from_numpy(x), raw, name).numpy())
-
-
-@pytest.mark.parametrize("name", TYPES)
-def test_repacked_rows_give_the_same_bits_on_both_paths_and_in_any_batch(name: str) -> None:
-    raw = random_blocks(name, 32, 512, seed=5)
-    x = torch.randn(9, 512)
-    results = []
-    for path in PATHS if kernels().cpu_has_avx512_vnni() else PATHS[:1]:
-        previous = kernels().use_isa(path)
-        try:
-            results.append(repacked_linear(x, raw, name))
-            alone = [repacked_linear(x[i : i + 1], raw, name) for i in range(9)]
-        finally:
-            kernels().use_isa(previous)
-        assert torch.equal(torch.cat(alone), results[-1])
-    assert all(torch.equal(result, results[0]) for result in results)
 
 
 @pytest.mark.parametrize(("segments", "rows", "message"), [
