@@ -1,4 +1,6 @@
-// Batch-invariant paged attention for AVX2 CPUs, reading keys and values straight from the KV pages.
+// Batch-invariant paged attention for AVX2 CPUs, reading keys and values straight from the KV pages. On CPUs
+// with AVX-512 the two inner tiles (scores, weighted values) run 16 lanes at a time (attention_tiles.h) with
+// the same operations in the same order per lane: the same bits on either path.
 //
 // Why: the deterministic mode needs a query's output to be bit-identical however its step was batched
 // and chunked. Matrix-multiply attention reduces over a padded, masked key range whose width (and so the
@@ -55,7 +57,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "attention_tiles.h"
 #include "checks.h"
+#include "isa.h"
 #include "kernels.h"
 #include "page_format.h"
 #include "pool.h"
@@ -69,7 +73,7 @@
 namespace {
 
 constexpr int64_t kMaxGroup = 16;  // query heads per KV head handled in one pass over the keys
-constexpr int64_t kMaxPage = kiln::page_format::kMaxPageTokens;
+using kiln::attention::kMaxPage;
 constexpr int64_t kChunkTokens = kiln::page_format::kChunkTokens;  // a query's keys are split at multiples of this position
 constexpr int64_t kRowBlock = 16;  // consecutive query rows of a sequence that read each page together
 
@@ -243,6 +247,7 @@ struct Problem {
   const int64_t *table, *first, *seq_of, *pos_of;
   int64_t H, D, group, kv_heads, page_size, width, window;
   float scale;
+  bool wide;  // the AVX-512 tiles (attention_tiles.h): the same bits, fewer instructions
 
   // The chunk's softmax states of the block's rows, from scratch: pages one at a time, and each page for
   // every row while it is in cache, one rescale per page and row. A row's operations are those it would
@@ -250,7 +255,7 @@ struct Problem {
   // `scratch`: pages.scratch_floats() floats of the calling thread's.
   void attend_chunk(const Task& task, int64_t row_begin, int64_t row_end, Partial* parts, float* scratch) const {
     const int64_t b = seq_of[row_begin];
-    const int64_t tile = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
+    const int64_t tile = group % 4 == 0 ? 4 : group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
     int64_t offsets[kMaxPage];
     int64_t lowest = pos_of[row_begin], highest = lowest;  // the block's positions: which slots any row sees
     for (int64_t r = row_begin; r < row_end; ++r) {
@@ -271,6 +276,7 @@ struct Problem {
         Partial& part = parts[r - row_begin];
         for (int64_t g = 0; g < group; g += tile) {
           if (tile == 4) attend_page<4>(query + g * D, part, g, rows, offsets, count);
+          else if (tile == 3) attend_page<3>(query + g * D, part, g, rows, offsets, count);
           else if (tile == 2) attend_page<2>(query + g * D, part, g, rows, offsets, count);
           else attend_page<1>(query + g * D, part, g, rows, offsets, count);
         }
@@ -283,7 +289,8 @@ struct Problem {
   void attend_page(const float* query, Partial& part, int64_t g, const PageRows<typename Pages::Value>& rows, const int64_t* offsets,
                    int64_t count) const {
     float weight[G][kMaxPage], rescale[G];
-    tile_scores<G>(query, rows.k, rows.v, offsets, count, D, scale, weight);
+    if (wide) kiln::attention::scores_avx512<G>(query, rows.k, rows.v, offsets, count, D, scale, weight);
+    else tile_scores<G>(query, rows.k, rows.v, offsets, count, D, scale, weight);
     for (int j = 0; j < G; ++j) {
       float page_max = -INFINITY;
       for (int64_t i = 0; i < count; ++i) page_max = weight[j][i] > page_max ? weight[j][i] : page_max;
@@ -295,7 +302,8 @@ struct Problem {
       part.total[g + j] = part.total[g + j] * rescale[j] + sum;
       part.max[g + j] = new_max;
     }
-    tile_values<G>(part.acc + g * D, rows.v, offsets, count, D, rescale, weight);
+    if (wide) kiln::attention::values_avx512<G>(part.acc + g * D, rows.v, offsets, count, D, rescale, weight);
+    else tile_values<G>(part.acc + g * D, rows.v, offsets, count, D, rescale, weight);
   }
 
   // into <- into merged with the next chunk (starting from max -inf, sum 0, acc 0 gives the chunk itself).
@@ -450,7 +458,7 @@ torch::Tensor attend(const Pages& pages, const torch::Tensor& q, const torch::Te
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2), group = H / kv_heads;
   const Problem<Pages> problem{pages, q.data_ptr<float>(), table.data_ptr<int64_t>(), first.data_ptr<int64_t>(),
                                seq_of.data_ptr<int64_t>(), pos_of.data_ptr<int64_t>(), H, D, group, kv_heads, page_size,
-                               table.size(1), window, static_cast<float>(scale)};
+                               table.size(1), window, static_cast<float>(scale), kiln::active_isa() == kiln::Isa::kAvx512Vnni};
   const std::vector<int64_t> block_rows = problem.blocks(N);
   const std::vector<Task> tasks = problem.tasks(block_rows);
   const int64_t units = (static_cast<int64_t>(block_rows.size()) - 1) * kv_heads, T = static_cast<int64_t>(tasks.size());

@@ -2,10 +2,11 @@
 // switchable for tests (an AVX-512 host runs the AVX2 path when told to).
 //
 // One library serves every x86-64 CPU with AVX2: the whole build targets AVX2 (build.py), and the functions
-// that gain from AVX-512 VNNI (one instruction for a multiply-add of four byte pairs into an int32, where
-// AVX2 needs three) are compiled a second time for it, in their own translation unit
-// (blocks_avx512.cpp), and called only when the CPU has it. Both paths give the same results: integer sums
-// are exact, and the float work around them is the same code in the same order.
+// that gain from AVX-512 are compiled for it in translation units of their own, called only when the CPU
+// has it: the block formats' dot products (blocks_avx512.cpp: VNNI, one instruction for a multiply-add of
+// four byte pairs into an int32, where AVX2 needs three) and attention's inner tiles (attention_avx512.cpp:
+// 16 float lanes and 32 registers). Both paths give the same results: integer sums are exact, and the float
+// work is the same operations in the same order on every lane.
 #pragma once
 
 #include <string>

@@ -8,8 +8,8 @@ weight cache and in memory. Here nothing is converted, written or cached: the bl
 
 How: every type is repacked at load, eight rows to a group (kernels/repack.cpp, the layouts
 kernels/blocks.h describes), so that a vector lane holds a row; the layer's own memory holds its parts (a part that does not fill whole groups of
-eight rows copied as stored beside them), and the file's pages they came from are handed back, so the
-process still holds about the file's size. A layer none of whose parts fills whole groups computes them
+eight rows copied as stored beside them), on 2 MiB pages where the OS gives them (kiln/huge_pages.py),
+and the file's pages they came from are handed back, so the process still holds about the file's size. A layer none of whose parts fills whole groups computes them
 where they lie in the mapping, whose pages are shared with every other process that maps the file.
 
 Which layers: every linear layer (a fused q/k/v or gate/up layer: each of its tensors) whose tensors are
@@ -36,6 +36,7 @@ from gguf import GGMLQuantizationType as GGML
 from gguf.constants import GGML_QUANT_SIZES
 from torch import nn
 
+from kiln.huge_pages import huge_page_buffer
 from kiln.kernels import kernels
 from kiln.models.tensor_source import FileBlocks, TensorSource
 
@@ -153,7 +154,7 @@ def _layer_data(file: MappedFile, parts: Sequence[FileBlocks], cols: int) -> tup
     if not any(repacked):
         return file.data, torch.tensor([[part.offset, part.rows, part.ggml_type] for part in parts], dtype=torch.long)
     sizes = [part.rows * (row or row_bytes(part.ggml_type, cols)) for part, row in zip(parts, repacked, strict=True)]
-    data = torch.empty(sum(sizes), dtype=torch.uint8)
+    data = huge_page_buffer(sum(sizes))  # read whole every step (kiln/huge_pages.py)
     segments, offset = [], 0
     for part, row, size in zip(parts, repacked, sizes, strict=True):
         stored_size = part.rows * row_bytes(part.ggml_type, cols)

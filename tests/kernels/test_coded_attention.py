@@ -97,6 +97,8 @@ CASES = {  # lengths, rows per sequence, window, kv_heads, query heads per KV he
     "5 and 20 rows": ([600, 290], [5, 20], 0, 2, 1, 64, 16),
     "rows and decode mixed": ([20, 530, 64], [20, 1, 5], 0, 1, 2, 32, 8),
     "window": ([600, 90, 300], [5, 1, 20], 50, 2, 4, 64, 32),
+    "head_dim an odd multiple of 8": ([300, 41], [3, 1], 0, 2, 3, 72, 24),  # the tiles' 8-channel tail; 3 heads a tile
+    "8 heads per KV head, head_dim 256": ([530], [2], 0, 1, 8, 256, 32),
 }
 
 
@@ -140,6 +142,35 @@ def test_float16_pages_give_the_float32_kernels_bits(case: str) -> None:
     alone = kernels().paged_attention(q[mine].contiguous(), k_pages, v_pages, table[b:], first[b:],
                                       torch.zeros(int(mine.sum()), dtype=torch.long), row_pos[mine], window, scale)
     assert torch.equal(alone, got[mine])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_both_instruction_set_paths_give_the_same_bits(case: str) -> None:
+    """The AVX-512 tiles (kernels/attention_tiles.h) do each lane's operations in the AVX2 tiles' order, so
+    float32, float16 and coded pages give the same bits on both paths."""
+    if not kernels().cpu_has_avx512_vnni():
+        pytest.skip("this CPU has no AVX-512: the two paths are compared where one has both")
+    lengths, rows, window, kv_heads, per_kv, dim, group = CASES[case]
+    page_size, pages = 16, 2 + sum(math.ceil(n / 16) for n in lengths)
+    pool = CodedPool(pages, page_size, kv_heads, dim, (8, 4), group, seed=len(case))
+    tail = (*step(lengths, rows, page_size, pages, seed=5), window, dim**-0.5)
+    q = torch.randn(len(tail[2]), kv_heads * per_kv, dim, generator=torch.Generator().manual_seed(2))
+    k_pages, v_pages = (torch.randn_like(pool.dequantised(side)).half() for side in "kv")
+
+    def run() -> list[torch.Tensor]:
+        return [kernels().paged_attention(q, k_pages.float(), v_pages.float(), *tail),
+                kernels().paged_attention(q, k_pages, v_pages, *tail),
+                kernels().paged_attention_coded(q, *pool.coded_args(), *tail)]
+
+    previous = kernels().use_isa("avx2")
+    try:
+        narrow = run()
+        kernels().use_isa("avx512_vnni")
+        wide = run()
+    finally:
+        kernels().use_isa(previous)
+    for pages_kind, a, b in zip(["float32", "float16", "coded"], narrow, wide, strict=True):
+        assert torch.equal(a, b), f"{pages_kind} pages differ by {(a - b).abs().max()}"
 
 
 def test_bad_inputs_are_refused() -> None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from kiln.config import EngineConfig
 from kiln.engine.engine import build_engine_model
+from kiln.huge_pages import HUGE_PAGE
 from kiln.kernels import supported
 from kiln.models.gguf_blocks import BlockLinear, mapped_file
 from kiln.models.loader import load_model
@@ -127,6 +128,7 @@ def test_parts_in_whole_groups_compute_from_a_repacked_copy_and_other_parts_as_s
     types = [int(gguf.GGMLQuantizationType[name]) for name, _ in shapes]
     assert layer.segments[:, 2].tolist() == [1000 + types[0], 1000 + types[1], types[2], types[3]]  # blocks.h kRepacked
     assert layer.data.numel() == 16 * 2 * 148 + sum(raw.nbytes for raw in raws[1:])  # Q4_K: 148 bytes a row-block
+    assert layer.data.data_ptr() % HUGE_PAGE == 0  # its own buffer, for huge pages (kiln/huge_pages.py)
     x = np.random.default_rng(0).standard_normal((3, 512)).astype(np.float32)
     weight = np.concatenate([gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name])
                              for raw, (name, _) in zip(raws, shapes, strict=True)])
