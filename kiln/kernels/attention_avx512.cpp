@@ -47,8 +47,9 @@ struct Lanes8 {
 // Keys i .. i + K - 1 against the G heads: K x G sums of 16 lanes, each query vector loaded once for the K
 // keys. A head dimension that is an odd multiple of 8 ends with the low (even) half only, as in AVX2.
 template <int G, int K, class T>
-[[gnu::always_inline]] inline void score_keys(const float* query, const T* k, const T* v, const int64_t* offsets, int64_t i,
-                                              int64_t D, float scale, float (*score)[kMaxPage]) {
+[[gnu::always_inline]] inline void score_keys(const float* query, const T* k, const T* v, const T* next_k, const T* next_v,
+                                              const int64_t* offsets, int64_t i, int64_t D, float scale,
+                                              float (*score)[kMaxPage]) {
   __m512 acc[K][G];
   for (int b = 0; b < K; ++b)
     for (int j = 0; j < G; ++j) acc[b][j] = _mm512_setzero_ps();
@@ -57,6 +58,10 @@ template <int G, int K, class T>
     __m512 key[K];
     for (int b = 0; b < K; ++b) {
       _mm_prefetch(reinterpret_cast<const char*>(v + offsets[i + b] + d), _MM_HINT_T0);
+      if (next_k) {
+        _mm_prefetch(reinterpret_cast<const char*>(next_k + offsets[i + b] + d), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(next_v + offsets[i + b] + d), _MM_HINT_T1);
+      }
       key[b] = Lanes16::load(k + offsets[i + b] + d);
     }
     for (int j = 0; j < G; ++j) {
@@ -114,12 +119,12 @@ template <int G, int C, class L, class T>
 }  // namespace
 
 template <int G, class T>
-void scores_avx512(const float* query, const T* k, const T* v, const int64_t* offsets, int64_t count, int64_t D, float scale,
-                   float (*score)[kMaxPage]) {
+void scores_avx512(const float* query, const T* k, const T* v, const T* next_k, const T* next_v, const int64_t* offsets,
+                   int64_t count, int64_t D, float scale, float (*score)[kMaxPage]) {
   constexpr int K = G == 1 ? 8 : 4;  // 8 to 16 independent sums in flight, and registers to spare
   int64_t i = 0;
-  for (; i + K <= count; i += K) score_keys<G, K>(query, k, v, offsets, i, D, scale, score);
-  for (; i < count; ++i) score_keys<G, 1>(query, k, v, offsets, i, D, scale, score);
+  for (; i + K <= count; i += K) score_keys<G, K>(query, k, v, next_k, next_v, offsets, i, D, scale, score);
+  for (; i < count; ++i) score_keys<G, 1>(query, k, v, next_k, next_v, offsets, i, D, scale, score);
 }
 
 template <int G, class T>
@@ -133,8 +138,8 @@ void values_avx512(float* out, const T* v, const int64_t* offsets, int64_t count
 }
 
 #define KILN_ATTENTION_TILES(G, T)                                                                                         \
-  template void scores_avx512<G, T>(const float*, const T*, const T*, const int64_t*, int64_t, int64_t, float,           \
-                                    float (*)[kMaxPage]);                                                                  \
+  template void scores_avx512<G, T>(const float*, const T*, const T*, const T*, const T*, const int64_t*, int64_t, int64_t, \
+                                    float, float (*)[kMaxPage]);                                                                  \
   template void values_avx512<G, T>(float*, const T*, const int64_t*, int64_t, int64_t, const float*, const float (*)[kMaxPage]);
 KILN_ATTENTION_TILES(1, float)
 KILN_ATTENTION_TILES(2, float)

@@ -26,10 +26,11 @@ namespace kiln::attention {
 constexpr int64_t kMaxPage = page_format::kMaxPageTokens;
 
 // score[j][i] = (query head j . key i) * scale for the G query heads at query (G x D floats), key i at
-// k + offsets[i]; the values' lines (v + offsets[i]) are prefetched meanwhile.
+// k + offsets[i]; the values' lines (v + offsets[i]) are prefetched meanwhile, and the next page's keys and
+// values at the same offsets (next_k, next_v; null: none) into L2, as attention.cpp's tile_scores does.
 template <int G, class T>
-void scores_avx512(const float* query, const T* k, const T* v, const int64_t* offsets, int64_t count, int64_t D, float scale,
-                   float (*score)[kMaxPage]);
+void scores_avx512(const float* query, const T* k, const T* v, const T* next_k, const T* next_v, const int64_t* offsets,
+                   int64_t count, int64_t D, float scale, float (*score)[kMaxPage]);
 
 // out_j = out_j * rescale_j + sum_i weight[j][i] * value_i for the G query heads (out: G x D floats).
 template <int G, class T>
