@@ -140,13 +140,26 @@ def test_a_late_fetch_still_shortens_the_prefill_under_way(tiny_llm, tmp_path):
     costs.fetch_page_s, costs.compute_token_s = 0.0, 1e-9  # worth a fetch, but no patience: admitted at once
     real = llm.prefix_store.fetch
 
+    fetched = threading.Event()
+
     def after_two_steps(keys):
         deadline = time.monotonic() + 10
         while llm.engine.stats.steps < 2 and time.monotonic() < deadline:
             time.sleep(0.001)
-        return real(keys)
+        try:
+            return real(keys)
+        finally:
+            fetched.set()
+
+    step = llm.engine.step
+
+    def step_once_fetched() -> None:  # on a busy machine the prefill must not finish before the fetch lands
+        if llm.engine.stats.steps >= 2:
+            fetched.wait(10)
+        step()
 
     llm.prefix_store.fetch = after_two_steps
+    llm.engine.step = step_once_fetched
     result = llm.generate(tokens, **GREEDY)[0]
     stats = llm.engine.stats
     assert stats.prefix_fetches["late"] == 1 and stats.prefix_fetches["restored"] == 1
