@@ -12,8 +12,9 @@ import torch
 
 from kiln.huge_pages import HUGE_PAGE, huge_page_buffer
 
-needs_advice = pytest.mark.skipif(sys.platform != "linux" or not hasattr(mmap, "MADV_HUGEPAGE"),
-                                  reason="only Linux advises huge pages (MADV_HUGEPAGE)")
+needs_advice = pytest.mark.skipif(
+    sys.platform != "linux" or not hasattr(mmap, "MADV_HUGEPAGE") or not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+    reason="huge pages are advised only on Linux kernels built with transparent huge pages")
 
 
 def vm_flags(address: int) -> set[str]:
