@@ -7,10 +7,11 @@ greedy output left llama.cpp's at the first token of a code prompt), and kept a 
 weight cache and in memory. Here nothing is converted, written or cached: the blocks are the file's.
 
 How: every type is repacked at load, eight rows to a group (kernels/repack.cpp, the layouts
-kernels/blocks.h describes), so that a vector lane holds a row; the layer's own memory holds its parts (a part that does not fill whole groups of
-eight rows copied as stored beside them), on 2 MiB pages where the OS gives them (kiln/huge_pages.py),
-and the file's pages they came from are handed back, so the process still holds about the file's size. A layer none of whose parts fills whole groups computes them
-where they lie in the mapping, whose pages are shared with every other process that maps the file.
+kernels/blocks.h describes), so that a vector lane holds a row; the layer's own memory holds its parts (a
+part that does not fill whole groups of eight rows copied as stored beside them), on 2 MiB pages where the
+OS gives them (kiln/huge_pages.py), and the file's pages they came from are handed back, so the process
+still holds about the file's size. A layer none of whose parts fills whole groups computes them where they
+lie in the mapping, whose pages are shared with every other process that maps the file.
 
 Which layers: every linear layer (a fused q/k/v or gate/up layer: each of its tensors) whose tensors are
 all in BLOCK_TYPES with its width whole blocks of them, and the LM head (a tied head computes with the
