@@ -47,8 +47,9 @@ def kernels() -> ModuleType:
     """The compiled extension: linear_f32, linear_int8, unpack (linear.cpp), linear_blocks (blocks.cpp),
     isa, use_isa, cpu_has_avx512_vnni (isa.h: the instruction-set path), paged_attention,
     paged_attention_coded (attention.cpp), rms_norm, residual_norm, qk_norm_rope (norms.cpp),
-    gated_activation (activations.cpp), argmax_rows (argmax.cpp), store_kv (kv_store.cpp), page_format
-    (page_format.h). Callers check `supported()` first; without it, UnavailableError names the cause."""
+    gated_activation (activations.cpp), argmax_rows (argmax.cpp), store_kv (kv_store.cpp), Projection and
+    DecoderLayer (decoder_layer.h: a decoder layer's step as one call), page_format (page_format.h).
+    Callers check `supported()` first; without it, UnavailableError names the cause."""
     outcome = _library.outcome()
     if outcome.module is None:
         raise UnavailableError(f"Kiln's CPU kernels are unavailable: {outcome.reason}")

@@ -14,6 +14,7 @@
 // the call and nothing else.
 #include <torch/extension.h>
 
+#include "decoder_layer.h"
 #include "isa.h"
 #include "kernels.h"
 #include "page_format.h"
@@ -78,6 +79,22 @@ const auto coded_attention_work = [](const torch::Tensor& q, const torch::Tensor
   return block_table.dim() == 2 && k_codes.dim() > 1 ? q.numel() * block_table.size(1) * k_codes.size(1) : 0;
 };
 
+// One decoder layer's step, without the GIL when its projections' work reaches kLinearReleaseWork (a larger
+// model's layer, or many rows); a small model's decode layer keeps it, as its separate kernels did.
+torch::Tensor run_layer(const kiln::DecoderLayer& layer, const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& k_codes, const torch::Tensor& k_scales, const torch::Tensor& k_zeros,
+                        const torch::Tensor& v_codes, const torch::Tensor& v_scales, const torch::Tensor& v_zeros,
+                        const torch::Tensor& write_pages, const torch::Tensor& write_offsets, const torch::Tensor& block_table,
+                        const torch::Tensor& first_pos, const torch::Tensor& row_seq, const torch::Tensor& row_pos, int64_t window) {
+  const auto run = [&] {
+    return layer.run(x, cos, sin, k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros, write_pages, write_offsets, block_table,
+                     first_pos, row_seq, row_pos, window);
+  };
+  if (rows(x) * layer.work_per_row() < kLinearReleaseWork) return run();
+  py::gil_scoped_release released;
+  return run();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -116,5 +133,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_has_avx512_vnni", [] { return kiln::cpu_has(kiln::Isa::kAvx512Vnni); }, "whether this CPU runs the AVX-512 VNNI path");
   m.def("use_isa", &kiln::use_isa, "take the path named avx2 or avx512_vnni from now on; returns the previous one's name");
   m.def("unpack", &unpack, "packed weights -> row-major float32 (linear.cpp)", py::call_guard<py::gil_scoped_release>());
+  py::class_<kiln::Projection>(m, "Projection", "a linear layer's weights as its kernel takes them (decoder_layer.h)")
+      .def_static("float32", &kiln::Projection::float32, py::arg("packed"), py::arg("bias"), py::arg("out_features"))
+      .def_static("int8", &kiln::Projection::int8, py::arg("packed"), py::arg("scales"), py::arg("bias"))
+      .def_static("blocks", &kiln::Projection::blocks, py::arg("data"), py::arg("segments"), py::arg("columns"), py::arg("bias"),
+                  py::arg("out_features"), py::arg("in_features"))
+      .def_static("matrix", &kiln::Projection::matrix, py::arg("weight"), py::arg("bias"))
+      .def("__call__", &kiln::Projection::operator(), py::arg("x"));
+  py::class_<kiln::DecoderLayer>(m, "DecoderLayer", "a decoder layer's step as one call (decoder_layer.h)")
+      .def(py::init<kiln::Norm, kiln::Projection, kiln::Norm, int64_t, int64_t, int64_t, double, kiln::Projection, kiln::Norm,
+                    kiln::Norm, kiln::Projection, std::string, kiln::Projection, kiln::Norm>(),
+           py::arg("input_norm"), py::arg("qkv"), py::arg("qk_norm"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+           py::arg("scale"), py::arg("o_proj"), py::arg("attention_out_norm"), py::arg("mlp_in_norm"), py::arg("gate_up"),
+           py::arg("activation"), py::arg("down"), py::arg("mlp_out_norm"))
+      .def("run", &run_layer, "the step's rows through the layer, their K/V stored (decoder_layer.h)");
   m.def("page_format", &page_format, "the page format's constants (page_format.h), for page_format.py to match");
 }

@@ -143,6 +143,10 @@ class KVStep:
         self.row_seq = torch.tensor([b for b, s in enumerate(slices) for _ in range(s.num_tokens)], device=device)
         self.last_position = max(s.start + s.num_tokens for s in slices) - 1
         self.row_pos = torch.tensor([p for s in slices for p in range(s.start, s.start + s.num_tokens)], device=device)
+        self._kernel_rows = [
+            (group.write_pages, group.write_offsets, group.block_table, group.first_pos, self.row_seq, self.row_pos, group.window or 0)
+            for group in self.groups
+        ]
 
     def _group(self, g: int, slices: list[KVSlice], query_pos: torch.Tensor, device: torch.device) -> _GroupStep:
         ps = self.layout.page_size
@@ -213,6 +217,13 @@ class KVStep:
         g, slot = self.layer_slots[layer]
         k, v = self.storage.segments(slot)
         return k, v, self.groups[g], self.layout.groups[g].window
+
+    def kernel_args(self, layer: int) -> tuple[torch.Tensor | int, ...]:
+        """For a kernel that stores and attends one layer's rows in place (kernels/decoder_layer.h): the layer's
+        K and V pages (PageStorage.kernel_parts), then where the step's rows go (write pages, offsets) and
+        what they read (block_table, first_pos, row_seq, row_pos, the window; 0 for none)."""
+        g, slot = self.layer_slots[layer]
+        return self.storage.kernel_parts(slot) + self._kernel_rows[g]
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys and values [B, kv_heads, P * page_size, head_dim] each sequence may read at this layer

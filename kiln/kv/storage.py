@@ -40,6 +40,7 @@ class PageStorage:
         self.data = zeroed_pool(num_pages, codec.page_nbytes, torch.device(device))
         # Views of each slot's K and V segments across the pool, built once: every layer of every step uses them.
         self._segments = [(codec.segment(self.data, 0, s), codec.segment(self.data, 1, s)) for s in range(layout.slots)]
+        self._kernel_parts = [(*k.kernel_parts(), *v.kernel_parts()) for k, v in self._segments]
         # New rows are stored (and encoded) by the C++ kernel where it runs: the same bytes as the codec's torch
         # path, without its handful (raw) or score (coded) of small operations per layer. Attention reads them in
         # place there too (Runner.kernel_attention).
@@ -68,6 +69,10 @@ class PageStorage:
     def segments(self, slot: int) -> tuple[Segment, Segment]:
         """K and V of one slot across all pages, as the codec's typed views (strided)."""
         return self._segments[slot]
+
+    def kernel_parts(self, slot: int) -> tuple[torch.Tensor, ...]:
+        """K's then V's codes, scales and zeros of one slot across the pool, as the C++ kernels take them."""
+        return self._kernel_parts[slot]
 
     def write(self, slot: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Encode new K/V rows [N, kv_heads, head_dim] of one slot into (pages[i], offsets[i])."""

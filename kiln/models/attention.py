@@ -58,6 +58,15 @@ class AttentionBatch:
         index = starts[:, None] + torch.minimum(offsets, counts[:, None] - 1)
         return cls(index, offsets < counts[:, None], kv)
 
+    def layer_kernel_args(self, layer: int, query_values: int) -> tuple[torch.Tensor | int, ...] | None:
+        """What a layer kernel (kernels/decoder_layer.h) needs to store and attend `layer`'s rows in place
+        (KVStep.kernel_args); None where the layer attends otherwise (gathering pages, streaming a tier's, or
+        pages the kernels do not store). `query_values`: the step's query floats at that layer."""
+        if not self.in_place or not self.kv.storage.kernel_pages or self.kv.streams(layer):
+            return None
+        _note_partial_states(self.kv, query_values)
+        return self.kv.kernel_args(layer)
+
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: AttentionBatch, scale: float
@@ -90,11 +99,15 @@ def _in_place_attention(q: torch.Tensor, layer: int, kv: KVStep, scale: float) -
     k, v, group, window = kv.pages(layer)
     tail = (group.block_table, group.first_pos, kv.row_seq, kv.row_pos, window or 0, scale)
     query = q.float().contiguous()
-    chunks = kv.last_position // CHUNK_TOKENS + 1  # the kernel keeps a partial state per row per chunk
-    kv.note_bytes(query.numel() * query.element_size() * chunks)  # its partial softmax states, at most
+    _note_partial_states(kv, query.numel())
     if k.scales is None:
         return kernels().paged_attention(query, k.codes, v.codes, *tail)
     return kernels().paged_attention_coded(query, *k.kernel_parts(), *v.kernel_parts(), *tail)
+
+
+def _note_partial_states(kv: KVStep, query_values: int) -> None:
+    """The in-place kernel keeps a float32 partial softmax state per query value per chunk, at most."""
+    kv.note_bytes(query_values * 4 * (kv.last_position // CHUNK_TOKENS + 1))
 
 
 def _decode_attention(

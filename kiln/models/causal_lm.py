@@ -15,6 +15,7 @@ from kiln.errors import InvalidArgumentError
 from kiln.kernels import kernels
 from kiln.models.config import ModelConfig
 from kiln.models.file_embedding import FileEmbedding, StoredRows
+from kiln.models.fused_block import FusedBlock
 from kiln.models.layers import Attention, GatedMLP, HFSource, RMSNorm
 from kiln.models.tensor_source import shapes_of
 
@@ -117,7 +118,8 @@ class CausalLM(nn.Module):
         kernels support. Decode of a small model is dominated by per-op overhead there, and these replace
         about twenty-five ops per layer; results agree with the op-by-op path to float rounding. Widths the
         kernels do not take (norms not a multiple of 8 wide, heads not a multiple of 16) keep the op-by-op
-        path."""
+        path. Then every block the kernels compute whole steps as one call where it attends in place
+        (kiln/models/fused_block.py): call this with the weights final, as the block's kernel holds them."""
         kernels()  # built (or loaded) now, not inside the first request
         for module in self.modules():
             if isinstance(module, RMSNorm):
@@ -126,6 +128,9 @@ class CausalLM(nn.Module):
                 module.fused = module.kernel_ready
             elif isinstance(module, GatedMLP):
                 module.fused = True  # the kernel takes every activation of layers.ACTIVATIONS
+        for module in self.modules():
+            if isinstance(module, FusedBlock):
+                module.use_layer_kernel()
 
     def _transposed_head(self, weight: torch.Tensor) -> torch.Tensor:
         cached = self._head_t

@@ -11,16 +11,16 @@ from __future__ import annotations
 from functools import cache
 
 import torch
-from torch import nn
 
 from kiln.models.attention import AttentionBatch
 from kiln.models.causal_lm import CausalLM, Decoder
 from kiln.models.config import ModelConfig
+from kiln.models.fused_block import BlockNorms, FusedBlock
 from kiln.models.hf_config import GEMMA3_LOCAL_ROPE_THETA
 from kiln.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding, add_normed
 
 
-class Gemma3Block(nn.Module):
+class Gemma3Block(FusedBlock):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         hidden, eps = (config.hidden_size,), config.rms_norm_eps
@@ -31,7 +31,11 @@ class Gemma3Block(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset=True)
 
-    def forward(
+    def block_norms(self) -> BlockNorms:
+        return BlockNorms(self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                          self.post_feedforward_layernorm)
+
+    def module_forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(x), cos, sin, batch)

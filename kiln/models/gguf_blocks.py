@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from gguf import GGMLQuantizationType as GGML
@@ -64,13 +64,17 @@ class BlockLinear(nn.Module):
         self.bias = bias
         self.nbytes = sum(part.rows * row_bytes(part.ggml_type, in_features) for part in parts) + (0 if bias is None else bias.nbytes)
         self.data, self.segments = _layer_data(file, parts, in_features)  # the bytes it computes with: (offset, rows, type)
-        columns = _columns(parts)
+        self.columns = columns = _columns(parts)
         n = self.out_features
         # Bound once, as QuantizedLinear does: forward runs for every projection of every step.
         self._apply_kernel = lambda x: kernels().linear_blocks(x, self.data, self.segments, columns, bias, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._apply_kernel(x)
+
+    def kernel_projection(self) -> Any:
+        """The layer as kernels/decoder_layer.h's Projection: what a fused block's kernel computes it with."""
+        return kernels().Projection.blocks(self.data, self.segments, self.columns, self.bias, self.out_features, self.in_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, types={'+'.join(self.types)}"

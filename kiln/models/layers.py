@@ -74,12 +74,12 @@ def add_normed(
     norms are fused: a decode step of a small model pays more for separate adds and norms' dispatch than
     for their arithmetic."""
     if (y_norm is None or y_norm.fused) and (out_norm is None or out_norm.fused):
-        return kernels().residual_norm(x, y, *_norm_args(y_norm), *_norm_args(out_norm))
+        return kernels().residual_norm(x, y, *norm_args(y_norm), *norm_args(out_norm))
     total = x + (y if y_norm is None else y_norm(y))
     return total, None if out_norm is None else out_norm(total)
 
 
-def _norm_args(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float, float]:
+def norm_args(norm: RMSNorm | None) -> tuple[torch.Tensor | None, float, float]:
     return (None, 0.0, 0.0) if norm is None else (norm.weight, norm.eps, float(norm.offset))
 
 
@@ -209,7 +209,7 @@ class Attention(nn.Module):
         n = x.shape[0]
         qkv = self.qkv_proj(x).view(n, -1, self.head_dim)
         if self.fused:  # reads q and k out of qkv itself
-            q, k = kernels().qk_norm_rope(qkv, *_norm_args(self.qk_norm), cos.view(n, -1), sin.view(n, -1), self.heads)
+            q, k = kernels().qk_norm_rope(qkv, *norm_args(self.qk_norm), cos.view(n, -1), sin.view(n, -1), self.heads)
             v = qkv[:, self.heads + self.kv_heads :]
         else:
             qk, v = qkv.split([self.heads + self.kv_heads, self.kv_heads], dim=1)

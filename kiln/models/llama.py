@@ -16,11 +16,12 @@ from torch import nn
 from kiln.models.attention import AttentionBatch
 from kiln.models.causal_lm import CausalLM, Decoder
 from kiln.models.config import ModelConfig
+from kiln.models.fused_block import BlockNorms, FusedBlock
 from kiln.models.layers import Attention, RMSNorm, RotaryEmbedding, add_normed
 from kiln.models.moe import feed_forward
 
 
-class LlamaBlock(nn.Module):
+class LlamaBlock(FusedBlock):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm((config.hidden_size,), config.rms_norm_eps)
@@ -29,7 +30,11 @@ class LlamaBlock(nn.Module):
         self.mlp = feed_forward(config, layer)  # a SparseMoE in a mixture-of-experts model's sparse layers
         self.residual_multiplier = config.residual_multiplier
 
-    def forward(
+    def block_norms(self) -> BlockNorms | None:
+        """None for Granite, whose sublayer outputs are scaled (the layer kernel does not scale them)."""
+        return BlockNorms(self.input_layernorm, None, self.post_attention_layernorm, None) if self.residual_multiplier == 1.0 else None
+
+    def module_forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
         attended = _times(self.self_attn(self.input_layernorm(x), cos, sin, batch), self.residual_multiplier)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -118,6 +118,12 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._apply_kernel(x)
+
+    def kernel_projection(self) -> Any:
+        """The layer as kernels/decoder_layer.h's Projection: what a fused block's kernel computes it with."""
+        if self.fmt == "float32":
+            return kernels().Projection.float32(self.weight, self.bias, self.out_features)
+        return kernels().Projection.int8(self.weight, self.scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kiln.kernels import kernels, supported
+from tests.models.test_fused_block import one_sequence_step, random_layer, rope
 
 pytestmark = pytest.mark.skipif(not supported(), reason="Kiln's CPU kernels do not run here")
 
@@ -31,8 +32,24 @@ def long_linear(shortest_s: float = 0.15):
         rows *= 2
 
 
-def test_another_thread_runs_during_a_long_kernel_call() -> None:
-    call = long_linear()
+def long_layer(shortest_s: float = 0.15):
+    """A decoder layer of a larger model (kernels/decoder_layer.h) over one sequence's appended rows, the rows
+    doubled until one call takes `shortest_s`."""
+    hidden, heads, kv_heads, head_dim = 1024, 8, 2, 128
+    layer = random_layer(hidden, heads, kv_heads, head_dim, 4096)
+    rows = 8
+    while True:
+        x, (cos, sin), (args, _) = torch.randn(rows, hidden), rope(rows, head_dim), one_sequence_step(rows, kv_heads, head_dim)
+        started = time.perf_counter()
+        layer.run(x, cos, sin, *args)
+        if time.perf_counter() - started >= shortest_s or rows >= 1024:
+            return lambda: layer.run(x, cos, sin, *args)
+        rows *= 2
+
+
+@pytest.mark.parametrize("make_call", [long_linear, long_layer], ids=["linear", "decoder_layer"])
+def test_another_thread_runs_during_a_long_kernel_call(make_call) -> None:
+    call = make_call()
     ticks: list[float] = []  # the other thread's progress, at most one mark a millisecond
     stop = threading.Event()
 
