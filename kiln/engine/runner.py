@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, chain
 
 import torch
 
@@ -92,12 +92,15 @@ class ModelRunner:
         tiered: list[list[tuple[int, tuple[int, bytes]]]] = []
         for g, (group, table) in enumerate(zip(self.layout.groups, seq.table.pages, strict=True)):
             spans = seq.table.policy.readable(group.window, len(table), start, ps)
-            index = [i for span in spans for i in span]
+            # Whole spans copied by slicing: these lists grow with the history, and a step builds them anew.
+            index = list(chain.from_iterable(spans))
             in_tier = seq.table.tiered[g]
             tiered.append([(i, (g, seq.table.hashes[i])) for i in sorted(in_tier)])
             if in_tier:
                 index = [i for i in index if i not in in_tier]
-            listed = [table[i] for i in index]
+                listed = [table[i] for i in index]
+            else:
+                listed = list(chain.from_iterable(table[span.start : span.stop] for span in spans))
             if None in listed:
                 raise RuntimeError("a page the attention reads was released")
             pages.append(listed)  # type: ignore[arg-type]

@@ -151,10 +151,15 @@ class KVStep:
     def _group(self, g: int, slices: list[KVSlice], query_pos: torch.Tensor, device: torch.device) -> _GroupStep:
         ps = self.layout.page_size
         width = max(len(s.pages[g]) for s in slices)
-        block_table = torch.tensor([s.pages[g] + [s.pages[g][0]] * (width - len(s.pages[g])) for s in slices], device=device)
-        first_pos = torch.tensor(
-            [[i * ps for i in s.page_indices[g]] + [NO_POSITION] * (width - len(s.pages[g])) for s in slices], device=device
-        )
+        # Through numpy, whose conversion of a long list is several times torch.tensor's: these grow with the history.
+        block_table = np.empty((len(slices), width), dtype=np.int64)
+        first_pos = np.full((len(slices), width), NO_POSITION, dtype=np.int64)
+        for b, s in enumerate(slices):
+            listed = len(s.pages[g])
+            block_table[b, :listed] = s.pages[g]
+            block_table[b, listed:] = s.pages[g][0]
+            first_pos[b, :listed] = s.page_indices[g]
+            first_pos[b, :listed] *= ps
         pages, offsets = [], []
         for s in slices:
             # The pages new tokens go to end the slice's list, one per index: find the first by bisection
@@ -163,7 +168,8 @@ class KVStep:
             for position in range(s.start, s.start + s.num_tokens):
                 pages.append(s.pages[g][first + position // ps - s.start // ps])
                 offsets.append(position % ps)
-        return _GroupStep(torch.tensor(pages, device=device), torch.tensor(offsets, device=device), block_table, first_pos,
+        return _GroupStep(torch.tensor(pages, device=device), torch.tensor(offsets, device=device),
+                          torch.from_numpy(block_table).to(device), torch.from_numpy(first_pos).to(device),
                           query_pos, self.layout.groups[g].window, ps)
 
     def tier_runs(self, g: int) -> list[list[TierRun]]:
