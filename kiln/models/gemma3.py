@@ -58,7 +58,8 @@ class Gemma3(CausalLM):
     ) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
         hidden = hidden * _embed_scale(self.config.hidden_size, hidden.dtype)
-        tables = {kind: rotary(positions, hidden.dtype) for kind, rotary in self.rotary.items()}
+        needed = batch.kv.last_position + 1
+        tables = {kind: rotary(positions, hidden.dtype, needed) for kind, rotary in self.rotary.items()}
         for block, kind in zip(self.model.layers, self.config.layer_types, strict=True):
             hidden = block(hidden, *tables[kind], batch)
         return self.model.norm(hidden)

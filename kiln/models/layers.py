@@ -120,11 +120,11 @@ class RotaryEmbedding:
         self.attention_factor = scaling.attention_factor if scaling is not None else 1.0  # LongRoPE's
         self._cos = self._sin = torch.empty(0, device="cpu")
 
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [N] long -> (cos, sin), each [N, 1, head_dim / 2] in `dtype`, to broadcast over heads.
-        Reads the largest position on the host once per call (a model calls this once per step, not per
-        layer) to know whether the tables must grow."""
-        needed = int(positions.max()) + 1 if positions.numel() else 0
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [N] long, each below `needed` -> (cos, sin), each [N, 1, head_dim / 2] in `dtype`, to
+        broadcast over heads. `needed` comes from the host (the step's KVStep knows its last position), so
+        that whether the tables must grow is decided without reading a device tensor back: a decode step
+        on a GPU makes no host read (docs/architecture.md § Layers)."""
         if needed > self._cos.shape[0] or self._cos.dtype != dtype or self._cos.device != positions.device:
             self._build(max(needed, _INITIAL_ROPE_POSITIONS, 2 * self._cos.shape[0]), positions.device, dtype)
         return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)

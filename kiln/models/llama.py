@@ -56,7 +56,7 @@ class Llama(CausalLM):
         """Granite's logits_scaling divides the normed hidden states: the LM head is linear, so the logits
         come out divided, whichever head (float or quantised) computes them."""
         hidden = _times(self.model.embed_tokens(input_ids), self.config.embedding_multiplier)
-        cos, sin = self.rotary(positions, hidden.dtype)
+        cos, sin = self.rotary(positions, hidden.dtype, batch.kv.last_position + 1)
         for block in self.model.layers:
             hidden = block(hidden, cos, sin, batch)
         return _times(self.model.norm(hidden), 1.0 / self.config.logits_scaling)

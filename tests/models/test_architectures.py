@@ -138,7 +138,7 @@ def test_phi4_mini_longrope_turns_as_transformers_does_past_the_original_context
     assert (config.rotary_dim, config.head_dim, config.fused_checkpoint) == (96, 128, True)
     assert config.sliding_window is None  # 262144 > the context: no layer slides
     positions = torch.tensor([0, 7, 4095, 4096, 70000])
-    cos, sin = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)(positions, torch.float32)
+    cos, sin = RotaryEmbedding(config.rotary_dim, config.rope_theta, config.rope_scaling)(positions, torch.float32, 70001)
     hf_cos, hf_sin = Phi3RotaryEmbedding(Phi3Config(**cfg))(torch.zeros(1), positions[None])
     assert config.rope_scaling.attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
     assert max_diff(cos[:, 0], hf_cos[0, :, :48]) <= 1e-6 and max_diff(sin[:, 0], hf_sin[0, :, :48]) <= 1e-6

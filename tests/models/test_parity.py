@@ -357,9 +357,9 @@ def test_load_weights_rejects_missing_unexpected_and_misshapen() -> None:
 def test_rotary_tables_grow_on_demand_and_match_transformers() -> None:
     config = TINY_CONFIGS["llama3_rope"]
     rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
-    rotary(torch.tensor([0, 7]), torch.float32)
+    rotary(torch.tensor([0, 7]), torch.float32, 8)
     positions = torch.tensor([3, 4095, 4096, 9000, 70000])
-    cos, sin = rotary(positions, torch.float32)
+    cos, sin = rotary(positions, torch.float32, 70001)
     hf_rotary = LlamaRotaryEmbedding(AutoConfig.for_model(**hf_config_dict(config)))
     hf_cos, hf_sin = hf_rotary(torch.zeros(1), positions[None])
     half = config.head_dim // 2
