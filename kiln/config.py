@@ -8,11 +8,10 @@ from dataclasses import dataclass, fields
 import torch
 
 from kiln.errors import InvalidArgumentError
-from kiln.kernels import supported as kernels_supported
-from kiln.kernels import unavailable_reason as kernels_unavailable_reason
 from kiln.kernels.page_format import PAGE_SIZES
 from kiln.kv.codec import CODECS
 from kiln.kv.policy import POLICIES
+from kiln.platform import Platform
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # How the projections and the LM head are stored and computed; "auto" picks per machine.
@@ -119,25 +118,24 @@ class EngineConfig:
             problems.append(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kv_dtype not in (None, "auto", *DTYPES):
             problems.append(f"kv_dtype must be one of {sorted(DTYPES)}, 'auto' or None, got {self.kv_dtype!r}")
-        on_cpu = self.device.split(":")[0] == "cpu"
+        try:
+            platform = Platform.of(self.device)
+        except (RuntimeError, TypeError) as error:  # torch.device's refusal of a malformed name
+            problems.append(f"device must name a torch device ('cpu', 'cuda:0'), got {self.device!r}: {error}")
+            platform = Platform.of("cpu")  # for the checks below; the config is refused anyway
+        dtype = DTYPES.get(self.dtype, torch.float32)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             problems.append(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {self.quantization!r}")
         elif self.quantization == "auto":
-            object.__setattr__(self, "quantization", "gguf" if on_cpu and self.dtype == "float32" and kernels_supported() else None)
-        elif self.quantization is not None and on_cpu and self.dtype != "float32":
-            problems.append(f"quantization {self.quantization!r} on the CPU takes float32 activations; got dtype {self.dtype!r}")
-        elif self.quantization is not None and on_cpu and not kernels_supported():
-            problems.append(f"quantization {self.quantization!r} runs on Kiln's CPU kernels, which are unavailable here "
-                            f"({kernels_unavailable_reason()}); use quantization None or 'auto'")
+            object.__setattr__(self, "quantization", platform.default_quantization(dtype))
+        elif self.quantization is not None and (problem := platform.quantization_problem(self.quantization, dtype)):
+            problems.append(problem)
         if self.kv_dtype == "auto":
-            object.__setattr__(self, "kv_dtype", "float16" if on_cpu and self.quantization is not None else None)
+            object.__setattr__(self, "kv_dtype", platform.default_kv_dtype(self.quantization))
         if not isinstance(self.deterministic, bool):
             problems.append(f"deterministic must be a boolean, got {self.deterministic!r}")
-        elif self.deterministic and (not on_cpu or self.dtype != "float32" or self.kv_dtype == "bfloat16" or not kernels_supported()):
-            problems.append(
-                f"deterministic needs device 'cpu' with Kiln's CPU kernels (kiln/kernels), dtype 'float32' and float32 or float16 KV pages (got dtype {self.dtype!r}, "
-                f"kv_dtype {self.kv_dtype!r} on {self.device!r}): its batch-invariant kernels exist for that only"
-            )
+        elif self.deterministic and (problem := platform.deterministic_problem(dtype, DTYPES.get(self.kv_dtype or self.dtype, dtype))):
+            problems.append(problem)
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
             problems.append(f"speculative must be one of {list(SPECULATIVE_METHODS)} or None, got {self.speculative!r}")
         tokens = self.num_speculative_tokens
@@ -166,10 +164,14 @@ class EngineConfig:
             raise InvalidArgumentError("invalid engine config: " + "; ".join(problems))
 
     @property
+    def platform(self) -> Platform:
+        return Platform.of(self.device)
+
+    @property
     def fused_kernels(self) -> bool:
-        """Whether the model computes norms and RoPE with Kiln's fused CPU kernels (CausalLM.use_kernels):
-        float32 on a CPU where they run."""
-        return self.device.split(":")[0] == "cpu" and self.dtype == "float32" and kernels_supported()
+        """Whether the model computes norms, RoPE and whole decoder layers with Kiln's fused CPU kernels
+        (CausalLM.use_kernels): float32 on a CPU where they run."""
+        return self.platform.fused_kernels(self.torch_dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:

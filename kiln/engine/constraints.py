@@ -46,6 +46,7 @@ import torch
 from kiln.engine.compile_threads import CompileThreads
 from kiln.engine.constraint_limits import LIMITS, check_schema, check_source, parse_schema
 from kiln.errors import InvalidArgumentError, InvariantViolation
+from kiln.platform import Platform
 from kiln.tokenizer import Tokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")
@@ -435,7 +436,7 @@ def _blocked(logits: torch.Tensor, blocked: np.ndarray) -> torch.Tensor:
     """New logits with the blocked tokens at -inf. On the CPU one NumPy pass in this thread: torch's
     elementwise ops split a 1 MB row across threads, and on a busy machine the step then waits for
     whichever of them was preempted."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+    if Platform.of(logits.device).on_host and logits.dtype == torch.float32:
         return torch.from_numpy(np.where(blocked, np.float32(-np.inf), logits.numpy()))
     return logits.masked_fill(torch.from_numpy(blocked).to(logits.device), float("-inf"))
 

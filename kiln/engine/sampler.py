@@ -7,14 +7,13 @@ import math
 import numbers
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
 from kiln.engine.constraints import MAX_LOGIT_BIAS, Constraint
 from kiln.errors import InvalidArgumentError
 from kiln.kernels import kernels
-from kiln.kernels import supported as kernels_supported
+from kiln.platform import Platform
 from kiln.tokenizer import check_unicode
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # colder sampling is argmax in effect (and may round to 0 in float32)
@@ -140,14 +139,9 @@ def _number_in(name: str, value: object, low: float, high: float, low_open: bool
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """[B, vocab] -> [B] long: each row's first largest logit (torch.argmax's answer). On an AVX2 CPU one
     kernel call on the kernels' thread pool, whose workers are already awake, unlike torch's OpenMP team."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and _kernel_argmax():
+    if logits.dtype == torch.float32 and Platform.of(logits.device).kernels:
         return kernels().argmax_rows(logits)
     return logits.argmax(dim=-1)
-
-
-@cache
-def _kernel_argmax() -> bool:
-    return kernels_supported()
 
 
 class Sampler:

@@ -20,6 +20,7 @@ from kiln.engine.sampler import Sampler, top_logprobs
 from kiln.engine.scheduler import ScheduledChunk
 from kiln.engine.sequence import Request
 from kiln.engine.speculative import verify
+from kiln.platform import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def writable(shaped: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     is one NumPy pass in this thread, as constraints._blocked's and for its reason (a busy machine)."""
     if shaped is not logits:
         return shaped
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+    if Platform.of(logits.device).on_host and logits.dtype == torch.float32:
         return torch.from_numpy(logits.numpy().copy())
     return logits.clone()
 

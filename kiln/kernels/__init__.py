@@ -8,7 +8,8 @@ install. One build serves every AVX2 CPU: the functions that gain from AVX-512 V
 time for it and chosen at load from cpuid (isa.h). The build happens once per machine and is shared by every checkout and installed copy of the same
 sources (build.py: how, and why a killed start can never make a later one wait).
 
-`supported()` is the question every caller asks: an AVX2 CPU and a library that loaded. When the answer is
+`supported()` answers whether they run (kiln/platform.py asks it once and tells every caller what follows): an
+AVX2 CPU and a library that loaded. When the answer is
 no, Kiln takes its PyTorch path, says so once per process in one warning (the cause, and what changes), and
 never tries again in that process:
 - EngineConfig's quantization "auto" resolves to None (float32 weights; an explicit "int8" is refused with

@@ -19,10 +19,9 @@ import sys
 import torch
 
 from kiln.kernels import kernels
-from kiln.kernels import supported as kernels_supported
-from kiln.kernels.page_format import KERNEL_DTYPES
 from kiln.kv.codec import KVCodec, Segment
 from kiln.kv.layout import KVLayout
+from kiln.platform import Platform
 
 # Python 3.11's mmap lacks the constant; 0x4000 is Linux's value on x86-64 and arm64. Elsewhere the OS does
 # not charge an untouched private mapping anyway.
@@ -44,7 +43,7 @@ class PageStorage:
         # New rows are stored (and encoded) by the C++ kernel where it runs: the same bytes as the codec's torch
         # path, without its handful (raw) or score (coded) of small operations per layer. Attention reads them in
         # place there too (Runner.kernel_attention).
-        self.kernel_pages = self.data.device.type == "cpu" and codec.read_dtype in KERNEL_DTYPES and kernels_supported()
+        self.kernel_pages = Platform.of(self.data.device).kernel_pages(codec.read_dtype)
 
     @property
     def device(self) -> torch.device:
@@ -95,7 +94,7 @@ def zeroed_pool(num_pages: int, page_nbytes: int, device: torch.device) -> torch
     heuristic counts every accounted mapping again when the process forks, so pools reserved past the
     machine's memory (however little of them is used) made every fork fail with ENOMEM (a subprocess with a
     preexec_fn, Ray starting its processes)."""
-    if device.type != "cpu":
+    if not Platform.of(device).on_host:
         return torch.zeros((num_pages, page_nbytes), dtype=torch.uint8, device=device)
     region = mmap.mmap(-1, num_pages * page_nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
     return torch.frombuffer(region, dtype=torch.uint8).view(num_pages, page_nbytes)

@@ -18,6 +18,7 @@ from kiln.models.file_embedding import FileEmbedding, StoredRows
 from kiln.models.fused_block import FusedBlock
 from kiln.models.layers import Attention, GatedMLP, HFSource, RMSNorm
 from kiln.models.tensor_source import shapes_of
+from kiln.platform import Platform
 
 
 class Decoder(nn.Module):
@@ -60,7 +61,7 @@ class CausalLM(nn.Module):
         if self.head_computes:
             return self.lm_head(hidden)
         weight = self.head_weight
-        if hidden.shape[0] == 1 and weight.device.type == "cpu":
+        if hidden.shape[0] == 1 and Platform.of(weight.device).on_host:
             return (hidden @ self._transposed_head(weight)).float()
         return torch.mm(weight, hidden.T).T.float().contiguous()
 
@@ -105,7 +106,7 @@ class CausalLM(nn.Module):
             and (self.lm_head is not None or head_quantised)
             and (table.rows, table.cols) == tuple(weight.shape)
             and weight.dtype == torch.float32
-            and weight.device.type == "cpu"
+            and Platform.of(weight.device).on_host
         )
 
     def map_embeddings(self, table: StoredRows) -> None:

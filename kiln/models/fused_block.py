@@ -22,6 +22,7 @@ from kiln.models.attention import AttentionBatch
 from kiln.models.gguf_blocks import BlockLinear
 from kiln.models.layers import Attention, GatedMLP, RMSNorm, norm_args
 from kiln.models.quant import QuantizedLinear
+from kiln.platform import Platform
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,6 @@ def _projection(layer: nn.Module) -> Any:
     """The layer as the kernels take it; None for a layer they do not compute (not float32 on the CPU)."""
     if isinstance(layer, QuantizedLinear | BlockLinear):
         return layer.kernel_projection()
-    if isinstance(layer, nn.Linear) and layer.weight.dtype == torch.float32 and layer.weight.device.type == "cpu":
+    if isinstance(layer, nn.Linear) and layer.weight.dtype == torch.float32 and Platform.of(layer.weight.device).kernels:
         return kernels().Projection.matrix(layer.weight.detach(), None if layer.bias is None else layer.bias.detach())
     return None

@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.kernels import supported as kernels_supported
 from kiln.models.config import ModelConfig, MoEConfig
 from kiln.models.layers import GatedMLP
 from kiln.models.quant import QuantizedLinear
+from kiln.platform import Platform
 
 
 class RoutingProjection(nn.Module):
@@ -51,9 +51,9 @@ class RoutingProjection(nn.Module):
         weight = self.weight
         return (
             x.dtype == weight.dtype == torch.float32
-            and x.device.type == weight.device.type == "cpu"
+            and x.device == weight.device
+            and Platform.of(weight.device).kernels
             and weight.shape[1] % 8 == 0
-            and kernels_supported()
         )
 
 

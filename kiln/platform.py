@@ -1,0 +1,97 @@
+"""Platform: what the device an engine computes on can do, decided in one place.
+
+Three platforms: a CPU where Kiln's C++ kernels run (`cpu-kernels`: an x86 CPU with AVX2 and a library that
+built, kiln/kernels), a CPU where they do not (`cpu`: PyTorch ops only), and a GPU or other accelerator
+(`cuda`, or the device's own type: PyTorch ops). Which weight formats compute where, which dtypes the defaults
+pick, and whether KV pages are stored and attended by the kernels all follow from the platform, so a new
+device (or a GPU backend) changes this module rather than checks spread over the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from kiln.kernels import supported as kernels_supported
+from kiln.kernels import unavailable_reason as kernels_unavailable_reason
+from kiln.kernels.page_format import KERNEL_DTYPES
+
+# Weight formats (EngineConfig.quantization, resolved) -> the platforms that compute them. None is the
+# exact path: the model's own float weights, computed by PyTorch anywhere.
+KERNEL_FORMATS = ("gguf", "int8")  # kiln/models/gguf_blocks.py and kiln/models/quant.py, on the C++ kernels
+
+
+@dataclass(frozen=True)
+class Platform:
+    name: str  # "cpu-kernels", "cpu", or the accelerator's device type ("cuda")
+    device: torch.device
+
+    @staticmethod
+    def of(device: str | torch.device) -> Platform:
+        """The platform of `device` ("cpu", "cuda:0", a tensor's .device). Whether the kernels run is asked each
+        time (kiln/kernels memoises the answer; tests simulate a failed build)."""
+        with_kernels, without = _platforms(str(device))
+        return with_kernels if with_kernels.device.type == "cpu" and kernels_supported() else without
+
+    @property
+    def on_host(self) -> bool:
+        """Tensors live in host memory (NumPy may read them in place)."""
+        return self.device.type == "cpu"
+
+    @property
+    def kernels(self) -> bool:
+        """Kiln's C++ kernels compute here."""
+        return self.name == "cpu-kernels"
+
+    def default_quantization(self, dtype: torch.dtype) -> str | None:
+        """What EngineConfig's quantization "auto" resolves to: the GGUF blocks as stored where the kernels
+        run on float32 activations, else the exact path."""
+        return "gguf" if self.kernels and dtype == torch.float32 else None
+
+    def quantization_problem(self, quantization: str, dtype: torch.dtype) -> str | None:
+        """Why `quantization` (a kernel format) cannot compute here with `dtype` activations; None if it can."""
+        if not self.on_host:
+            return f"quantization {quantization!r} runs on Kiln's CPU kernels, not on {self.device.type!r}; use quantization None"
+        if dtype != torch.float32:
+            return f"quantization {quantization!r} on the CPU takes float32 activations; got dtype {_name(dtype)!r}"
+        if not self.kernels:
+            return (f"quantization {quantization!r} runs on Kiln's CPU kernels, which are unavailable here "
+                    f"({kernels_unavailable_reason()}); use quantization None or 'auto'")
+        return None
+
+    def default_kv_dtype(self, quantization: str | None) -> str | None:
+        """What kv_dtype "auto" resolves to: "float16" pages beside kernel weights on the CPU (attention reads
+        them in place at half float32's bytes), else None (the activations' dtype)."""
+        return "float16" if self.on_host and quantization is not None else None
+
+    def fused_kernels(self, dtype: torch.dtype) -> bool:
+        """Whether models compute norms, RoPE, activations and whole decoder layers with the kernels
+        (CausalLM.use_kernels): float32 where they run."""
+        return self.kernels and dtype == torch.float32
+
+    def deterministic_problem(self, dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
+        """Why the deterministic mode (batch-invariant kernels) cannot run here; None if it can."""
+        if self.kernels and dtype == torch.float32 and kv_dtype in KERNEL_DTYPES:
+            return None
+        return (f"deterministic needs device 'cpu' with Kiln's CPU kernels (kiln/kernels), dtype 'float32' and float32 or "
+                f"float16 KV pages (got dtype {_name(dtype)!r}, kv_dtype {_name(kv_dtype)!r} on {str(self.device)!r}): its "
+                f"batch-invariant kernels exist for that only")
+
+    def kernel_pages(self, read_dtype: torch.dtype) -> bool:
+        """Whether the kernels store KV pages of this dtype and attend over them in place."""
+        return self.kernels and read_dtype in KERNEL_DTYPES
+
+
+@cache
+def _platforms(device: str) -> tuple[Platform, Platform]:
+    """The device's platform with the kernels and without them (the same for a device the kernels never run on)."""
+    resolved = torch.device(device)
+    if resolved.type != "cpu":
+        return Platform(resolved.type, resolved), Platform(resolved.type, resolved)
+    return Platform("cpu-kernels", resolved), Platform("cpu", resolved)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
