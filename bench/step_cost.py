@@ -43,7 +43,7 @@ PROBES = {
     "step": ("engine.step",),
     "prepare": ("engine._runner.prepare", "engine.runner.slice_for"),
     "forward": ("engine._runner.run", "engine.runner.run"),
-    "attention": ("module:kiln.models.layers.paged_attention",),
+    "attention": ("module:kiln.models.attention.AttentionBatch.attend",),
     "lm_head": ("engine.model.logits",),
     "sample": ("engine._step_sampler.sample", "engine._sample"),
     "check": ("engine.check_sequence",),
@@ -97,17 +97,27 @@ class Probe:
 
 
 def _owner(root: Any, path: str) -> Any:
-    """The object holding the method `path` ("a.b.method", from the LLM; "module:pkg.mod.function", a
-    module's global) names, or None if there is no such method."""
-    if path.startswith("module:"):
-        module, name = path.removeprefix("module:").rsplit(".", 1)
-        owner = importlib.import_module(module)
-        return owner if callable(getattr(owner, name, None)) else None
-    *parents, name = path.split(".")
+    """The object holding the method `path` ("a.b.method", from the LLM; "module:pkg.mod.function" or
+    "module:pkg.mod.Class.method", a module's global or a class's method, wrapped for the whole process)
+    names, or None if there is no such method."""
     owner = root
+    if path.startswith("module:"):
+        path = path.removeprefix("module:")
+        owner, path = _longest_module(path.split("."))
+    *parents, name = path.split(".")
     for part in parents:
         owner = getattr(owner, part, None)
     return owner if owner is not None and callable(getattr(owner, name, None)) else None
+
+
+def _longest_module(parts: list[str]) -> tuple[Any, str]:
+    """The module the longest importable prefix of `parts` names, and the rest of the path within it."""
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            return importlib.import_module(".".join(parts[:split])), ".".join(parts[split:])
+        except ImportError:
+            continue
+    raise ImportError(f"no module in {'.'.join(parts)!r}")
 
 
 def breakdown_ms(latency_s: float, totals: dict[str, float]) -> dict[str, float | None]:

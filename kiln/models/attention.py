@@ -1,13 +1,21 @@
-"""The paged attention call every model layer makes.
+"""The paged attention every model layer calls, and the backends that compute it.
 
 The runner flattens a step's new tokens of B sequences into N rows (sequence after sequence, positions
 ascending). Each layer hands its new K/V to the step's KVStep, which stores them in the sequences' pages,
-reads back the keys and values each sequence may see with a mask that already encodes causality, the
-sliding window and padding, and attends. Models never allocate pages or know how they are laid out.
+and attends over the keys and values each sequence may see (causality, the sliding window and padding
+encoded by the KVStep's positions). Models never allocate pages or know how they are laid out.
+
+How a step's layers attend is chosen once per step (AttentionBatch.for_lengths), from what the step's device
+can do (the runner's `kernel_attention`, kiln/platform.py) and the step's shape, and is an AttentionBackend:
+`InPlaceAttention`, the C++ kernel over the pages where they lie (CPU); `GatheredAttention`, PyTorch matrix
+products over the pages gathered into contiguous buffers (the reference, and every other device's path). For
+a layer that some `restore` sequence streams, each backend has its streamed counterpart
+(kiln/models/streamed_attention.py). A new device's attention (a GPU kernel) is another backend.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -25,84 +33,116 @@ from kiln.models.streamed_attention import streamed_attention, tiered_attention
 IN_PLACE_MAX_ROWS = 64
 
 
-@dataclass
-class AttentionBatch:
-    """Everything attention needs for one forward step.
+class AttentionBackend(ABC):
+    """How the layers of one step attend over its KVStep's pages."""
 
-    query_index: [B, Q] long, row of each (sequence, query) in the flattened tokens; padding repeats a
-                 valid row of the same sequence. None when B == 1 (no padding needed).
-    query_valid: [B, Q] bool, False on padding.
-    kv:          where the layers' K/V go and come from.
-    in_place:    attend with the kernel that reads keys and values where they lie in the pages
-                 (kernels/attention.cpp) instead of gathering them for padded matrix products. Always in
-                 the deterministic mode (its per-query arithmetic does not depend on the step); in other
-                 steps where no sequence has more than IN_PLACE_MAX_ROWS queries (decode, speculative
-                 verification, short appends), where it is faster.
-    """
+    def __init__(self, kv: KVStep) -> None:
+        self.kv = kv
 
-    query_index: torch.Tensor | None
-    query_valid: torch.Tensor | None
-    kv: KVStep
-    in_place: bool = False
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+        """Stores the rows' new k, v [N, kv_heads, head_dim] (after RoPE/norms) and returns the attention of q
+        [N, heads, head_dim] over what each row may see: [N, heads, head_dim]."""
 
-    @classmethod
-    def for_lengths(cls, lengths: list[int], kv: KVStep, batch_invariant: bool = False, kernel_attention: bool = False) -> AttentionBatch:
-        if batch_invariant or (kernel_attention and max(lengths) <= IN_PLACE_MAX_ROWS):
-            return cls(None, None, kv, in_place=True)
-        if len(lengths) == 1:
-            return cls(None, None, kv)
-        device = kv.storage.device
-        counts = torch.tensor(lengths, device=device)
-        starts = torch.cumsum(counts, 0) - counts
-        offsets = torch.arange(max(lengths), device=device)[None, :]
-        index = starts[:, None] + torch.minimum(offsets, counts[:, None] - 1)
-        return cls(index, offsets < counts[:, None], kv)
+
+class InPlaceAttention(AttentionBackend):
+    """The C++ kernel (kernels/attention.cpp) over the pages where they lie, dequantising coded pages as it reads
+    them: no gathered copy, no mask. Always in the deterministic mode (its per-query arithmetic does not depend
+    on the step); in other steps where no sequence has more than IN_PLACE_MAX_ROWS rows (decode, speculative
+    verification, short appends), where it is faster."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+        kv = self.kv
+        kv.write(layer, k, v)
+        if kv.streams(layer):  # a `restore` sequence's global layer: pool and tier parts merged
+            return tiered_attention(q, layer, kv, scale)
+        k_pages, v_pages, group, window = kv.pages(layer)
+        tail = (group.block_table, group.first_pos, kv.row_seq, kv.row_pos, window or 0, scale)
+        query = q.float().contiguous()
+        _note_partial_states(kv, query.numel())
+        if k_pages.scales is None:
+            return kernels().paged_attention(query, k_pages.codes, v_pages.codes, *tail)
+        return kernels().paged_attention_coded(query, *k_pages.kernel_parts(), *v_pages.kernel_parts(), *tail)
 
     def layer_kernel_args(self, layer: int, query_values: int) -> tuple[torch.Tensor | int, ...] | None:
-        """What a layer kernel (kernels/decoder_layer.h) needs to store and attend `layer`'s rows in place
-        (KVStep.kernel_args); None where the layer attends otherwise (gathering pages, streaming a tier's, or
-        pages the kernels do not store). `query_values`: the step's query floats at that layer."""
-        if not self.in_place or not self.kv.storage.kernel_pages or self.kv.streams(layer):
+        """What a layer kernel (kernels/decoder_layer.h) needs to store and attend `layer`'s rows itself
+        (KVStep.kernel_args); None where the layer attends otherwise (streaming a tier's pages, or pages the
+        kernels do not store). `query_values`: the step's query floats at that layer."""
+        if not self.kv.storage.kernel_pages or self.kv.streams(layer):
             return None
         _note_partial_states(self.kv, query_values)
         return self.kv.kernel_args(layer)
 
 
-def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: AttentionBatch, scale: float
-) -> torch.Tensor:
-    """q: [N, heads, head_dim]; k, v: [N, kv_heads, head_dim] (after RoPE/norms). Returns [N, heads, head_dim]."""
-    batch.kv.write(layer, k, v)
-    if batch.kv.streams(layer):  # a `restore` sequence's global layer: pool and tier parts merged, whatever else the step holds
-        return (tiered_attention if batch.in_place else streamed_attention)(q, layer, batch.kv, scale)
-    if batch.in_place:
-        return _in_place_attention(q, layer, batch.kv, scale)
-    keys, values, mask = batch.kv.read(layer)
-    scores = mask.numel() * q.shape[1]  # [B, heads, Q, L]: scores, then weights
-    batch.kv.note_bytes(2 * keys.numel() * keys.element_size() + mask.numel() + 2 * scores * q.element_size())
-    if mask.shape[1] == 1:
-        return _decode_attention(q, keys.to(q.dtype), values.to(q.dtype), mask[:, 0], scale)
-    queries = q.unsqueeze(0) if batch.query_index is None else q[batch.query_index]
-    out = F.scaled_dot_product_attention(
-        queries.transpose(1, 2),
-        keys.to(q.dtype),
-        values.to(q.dtype),
-        attn_mask=mask.unsqueeze(1),
-        scale=scale,
-        enable_gqa=True,
-    ).transpose(1, 2)
-    return out[0] if batch.query_valid is None else out[batch.query_valid]
+class GatheredAttention(AttentionBackend):
+    """PyTorch over the keys and values each sequence may read, gathered (and decoded) from its pages into
+    contiguous buffers, with a mask: one matmul pair per KV head for a decode step, SDPA otherwise.
+
+    query_index: [B, Q] long, row of each (sequence, query) in the flattened tokens; padding repeats a valid
+                 row of the same sequence. None when B == 1 (no padding needed).
+    query_valid: [B, Q] bool, False on padding.
+    """
+
+    def __init__(self, kv: KVStep, query_index: torch.Tensor | None = None, query_valid: torch.Tensor | None = None) -> None:
+        super().__init__(kv)
+        self.query_index = query_index
+        self.query_valid = query_valid
+
+    @classmethod
+    def for_lengths(cls, lengths: list[int], kv: KVStep) -> GatheredAttention:
+        if len(lengths) == 1:
+            return cls(kv)
+        device = kv.storage.device
+        counts = torch.tensor(lengths, device=device)
+        starts = torch.cumsum(counts, 0) - counts
+        offsets = torch.arange(max(lengths), device=device)[None, :]
+        index = starts[:, None] + torch.minimum(offsets, counts[:, None] - 1)
+        return cls(kv, index, offsets < counts[:, None])
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+        kv = self.kv
+        kv.write(layer, k, v)
+        if kv.streams(layer):  # a `restore` sequence's global layer: chunk by chunk, merged
+            return streamed_attention(q, layer, kv, scale)
+        keys, values, mask = kv.read(layer)
+        scores = mask.numel() * q.shape[1]  # [B, heads, Q, L]: scores, then weights
+        kv.note_bytes(2 * keys.numel() * keys.element_size() + mask.numel() + 2 * scores * q.element_size())
+        if mask.shape[1] == 1:
+            return _decode_attention(q, keys.to(q.dtype), values.to(q.dtype), mask[:, 0], scale)
+        queries = q.unsqueeze(0) if self.query_index is None else q[self.query_index]
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2),
+            keys.to(q.dtype),
+            values.to(q.dtype),
+            attn_mask=mask.unsqueeze(1),
+            scale=scale,
+            enable_gqa=True,
+        ).transpose(1, 2)
+        return out[0] if self.query_valid is None else out[self.query_valid]
 
 
-def _in_place_attention(q: torch.Tensor, layer: int, kv: KVStep, scale: float) -> torch.Tensor:
-    """The C++ kernel over the pages where they lie, dequantising coded pages as it reads them."""
-    k, v, group, window = kv.pages(layer)
-    tail = (group.block_table, group.first_pos, kv.row_seq, kv.row_pos, window or 0, scale)
-    query = q.float().contiguous()
-    _note_partial_states(kv, query.numel())
-    if k.scales is None:
-        return kernels().paged_attention(query, k.codes, v.codes, *tail)
-    return kernels().paged_attention_coded(query, *k.kernel_parts(), *v.kernel_parts(), *tail)
+@dataclass
+class AttentionBatch:
+    """Everything attention needs for one forward step: its KVStep (where the layers' K/V go and come from)
+    and how its layers attend."""
+
+    kv: KVStep
+    backend: AttentionBackend
+
+    @classmethod
+    def for_lengths(cls, lengths: list[int], kv: KVStep, batch_invariant: bool = False, kernel_attention: bool = False) -> AttentionBatch:
+        if batch_invariant or (kernel_attention and max(lengths) <= IN_PLACE_MAX_ROWS):
+            return cls(kv, InPlaceAttention(kv))
+        return cls(kv, GatheredAttention.for_lengths(lengths, kv))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+        """The step's backend's attention of one layer (AttentionBackend.attend)."""
+        return self.backend.attend(q, k, v, layer, scale)
+
+    def layer_kernel_args(self, layer: int, query_values: int) -> tuple[torch.Tensor | int, ...] | None:
+        """InPlaceAttention.layer_kernel_args in a step that attends in place; None in any other."""
+        backend = self.backend
+        return backend.layer_kernel_args(layer, query_values) if isinstance(backend, InPlaceAttention) else None
 
 
 def _note_partial_states(kv: KVStep, query_values: int) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from kiln.errors import InvalidArgumentError
 from kiln.kernels import kernels
-from kiln.models.attention import AttentionBatch, paged_attention
+from kiln.models.attention import AttentionBatch
 from kiln.models.config import ModelConfig, RopeScaling
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -215,7 +215,7 @@ class Attention(nn.Module):
             qk, v = qkv.split([self.heads + self.kv_heads, self.kv_heads], dim=1)
             qk = qk if self.qk_norm is None else self.qk_norm(qk)
             q, k = (apply_rotary(qk, cos, sin) if self.uses_rope else qk).split([self.heads, self.kv_heads], dim=1)
-        out = paged_attention(q, k, v, self.layer, batch, self.scale)
+        out = batch.attend(q, k, v, self.layer, self.scale)
         return self.o_proj(out.reshape(n, self.heads * self.head_dim))
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.models.attention import AttentionBatch, paged_attention
+from kiln.models.attention import AttentionBatch
 from kiln.models.config import ModelConfig
 from kiln.models.layers import Attention, GatedMLP, RMSNorm, add_normed, apply_rotary
 from kiln.models.llama import Llama
@@ -33,7 +33,7 @@ class Olmo2Attention(Attention):
         q, k, v = self.qkv_proj(x).split([q_rows, kv_rows, kv_rows], dim=-1)
         q = apply_rotary(self.q_norm(q).view(n, self.heads, self.head_dim), cos, sin)
         k = apply_rotary(self.k_norm(k).view(n, self.kv_heads, self.head_dim), cos, sin)
-        out = paged_attention(q, k, v.view(n, self.kv_heads, self.head_dim), self.layer, batch, self.scale)
+        out = batch.attend(q, k, v.view(n, self.kv_heads, self.head_dim), self.layer, self.scale)
         return self.o_proj(out.reshape(n, q_rows))
 
 
