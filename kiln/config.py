@@ -11,11 +11,11 @@ from kiln.errors import InvalidArgumentError
 from kiln.kernels.page_format import PAGE_SIZES
 from kiln.kv.codec import CODECS
 from kiln.kv.policy import POLICIES
-from kiln.platform import Platform
+from kiln.platform import KERNEL_WEIGHT_FORMATS, Platform
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# How the projections and the LM head are stored and computed; "auto" picks per machine.
-QUANTIZATIONS = ("auto", "gguf", "int8")
+# How the projections and the LM head are stored and computed; "auto" picks per machine (kiln/platform.py).
+QUANTIZATIONS = ("auto", *KERNEL_WEIGHT_FORMATS)
 SPECULATIVE_METHODS = ("ngram",)  # kiln/engine/speculative.py
 MAX_SPECULATIVE_TOKENS = 16
 

@@ -18,9 +18,10 @@ from kiln.kernels import supported as kernels_supported
 from kiln.kernels import unavailable_reason as kernels_unavailable_reason
 from kiln.kernels.page_format import KERNEL_DTYPES
 
-# Weight formats (EngineConfig.quantization, resolved) -> the platforms that compute them. None is the
-# exact path: the model's own float weights, computed by PyTorch anywhere.
-KERNEL_FORMATS = ("gguf", "int8")  # kiln/models/gguf_blocks.py and kiln/models/quant.py, on the C++ kernels
+# The weight formats (EngineConfig.quantization) only the C++ kernels compute, so only `cpu-kernels` takes
+# them: a GGUF file's blocks (kiln/models/gguf_blocks.py) and int8 (kiln/models/quant.py). None, the exact
+# path (the model's own float weights), computes on every platform through PyTorch.
+KERNEL_WEIGHT_FORMATS = ("gguf", "int8")
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ class Platform:
         return "gguf" if self.kernels and dtype == torch.float32 else None
 
     def quantization_problem(self, quantization: str, dtype: torch.dtype) -> str | None:
-        """Why `quantization` (a kernel format) cannot compute here with `dtype` activations; None if it can."""
+        """Why `quantization` (one of KERNEL_WEIGHT_FORMATS) cannot compute here with `dtype` activations; None
+        if it can."""
         if not self.on_host:
             return f"quantization {quantization!r} runs on Kiln's CPU kernels, not on {self.device.type!r}; use quantization None"
         if dtype != torch.float32:

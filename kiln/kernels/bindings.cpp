@@ -138,8 +138,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("int8", &kiln::Projection::int8, py::arg("packed"), py::arg("scales"), py::arg("bias"))
       .def_static("blocks", &kiln::Projection::blocks, py::arg("data"), py::arg("segments"), py::arg("columns"), py::arg("bias"),
                   py::arg("out_features"), py::arg("in_features"))
-      .def_static("matrix", &kiln::Projection::matrix, py::arg("weight"), py::arg("bias"))
-      .def("__call__", &kiln::Projection::operator(), py::arg("x"));
+      .def_static("matrix", &kiln::Projection::matrix, py::arg("weight"), py::arg("bias"));
   py::class_<kiln::DecoderLayer>(m, "DecoderLayer", "a decoder layer's step as one call (decoder_layer.h)")
       .def(py::init<kiln::Norm, kiln::Projection, kiln::Norm, int64_t, int64_t, int64_t, double, kiln::Projection, kiln::Norm,
                     kiln::Norm, kiln::Projection, std::string, kiln::Projection, kiln::Norm>(),
