@@ -44,6 +44,12 @@ class AttentionBackend(ABC):
         """Stores the rows' new k, v [N, kv_heads, head_dim] (after RoPE/norms) and returns the attention of q
         [N, heads, head_dim] over what each row may see: [N, heads, head_dim]."""
 
+    def layer_kernel_args(self, layer: int, query_values: int) -> tuple[torch.Tensor | int, ...] | None:
+        """What a layer kernel (kernels/decoder_layer.h) needs to store and attend `layer`'s rows itself; None
+        where this backend attends them (every backend but the in-place one). `query_values`: the step's
+        query floats at that layer."""
+        return None
+
 
 class InPlaceAttention(AttentionBackend):
     """The C++ kernel (kernels/attention.cpp) over the pages where they lie, dequantising coded pages as it reads
@@ -65,9 +71,8 @@ class InPlaceAttention(AttentionBackend):
         return kernels().paged_attention_coded(query, *k_pages.kernel_parts(), *v_pages.kernel_parts(), *tail)
 
     def layer_kernel_args(self, layer: int, query_values: int) -> tuple[torch.Tensor | int, ...] | None:
-        """What a layer kernel (kernels/decoder_layer.h) needs to store and attend `layer`'s rows itself
-        (KVStep.kernel_args); None where the layer attends otherwise (streaming a tier's pages, or pages the
-        kernels do not store). `query_values`: the step's query floats at that layer."""
+        """KVStep.kernel_args; None where the layer attends otherwise (streaming a tier's pages, or pages the
+        kernels do not store)."""
         if not self.kv.storage.kernel_pages or self.kv.streams(layer):
             return None
         _note_partial_states(self.kv, query_values)
@@ -140,9 +145,8 @@ class AttentionBatch:
         return self.backend.attend(q, k, v, layer, scale)
 
     def layer_kernel_args(self, layer: int, query_values: int) -> tuple[torch.Tensor | int, ...] | None:
-        """InPlaceAttention.layer_kernel_args in a step that attends in place; None in any other."""
-        backend = self.backend
-        return backend.layer_kernel_args(layer, query_values) if isinstance(backend, InPlaceAttention) else None
+        """The step's backend's AttentionBackend.layer_kernel_args."""
+        return self.backend.layer_kernel_args(layer, query_values)
 
 
 def _note_partial_states(kv: KVStep, query_values: int) -> None:

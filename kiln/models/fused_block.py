@@ -58,12 +58,11 @@ class FusedBlock(nn.Module, ABC):
                 return self.layer_kernel.run(x, cos, sin, *args)
         return self.module_forward(x, cos, sin, batch)
 
-    def use_layer_kernel(self) -> bool:
+    def use_layer_kernel(self) -> None:
         """Step through a DecoderLayer from now on where the kernels compute every part of the block (after
         CausalLM.use_kernels fused its norms and activations; with the weights final: the layer holds these
-        tensors). Returns whether it does."""
+        tensors); `layer_kernel` stays None where they do not."""
         self.layer_kernel = _decoder_layer(self)
-        return self.layer_kernel is not None
 
 
 def _decoder_layer(block: FusedBlock) -> Any:
