@@ -63,8 +63,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "model directory or .gguf file (default: gemma3-270m)")
     parser.add_argument("--kv-budget-mb", type=int, default=None, help=f"memory for KV pages, MiB: the pool is reserved at this size and committed as pages are first used (default {_ENGINE_DEFAULTS['kv_budget_bytes'] // 2**20})")
     parser.add_argument("--page-size", type=int, default=None, help=f"tokens per KV page (default {_ENGINE_DEFAULTS['page_size']})")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                        help=f"weights and activations (default {_ENGINE_DEFAULTS['dtype']})")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=None,
+                        help="weights and activations (default auto: bfloat16 on a GPU, float32 on the CPU)")
     parser.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="KV pages' dtype (default auto: float16 with quantised weights on the CPU, else --dtype)")
     parser.add_argument("--quantization", choices=[*QUANTIZATIONS, "none"], default=None,

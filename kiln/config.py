@@ -24,7 +24,9 @@ MAX_SPECULATIVE_TOKENS = 16
 class EngineConfig:
     model: str | None = None  # a name (kiln/models/catalog.py), HF-style directory or .gguf file; None = gemma3-270m
     device: str = "cpu"
-    dtype: str = "float32"  # weights and activations
+    # Weights and activations. "auto": bfloat16 on a GPU (its tensor cores' format, half float32's bytes to read
+    # per step), float32 on the CPU (what Kiln's kernels compute in).
+    dtype: str = "auto"
     # How projections and the LM head are computed. CPU decode is bound by reading weights. "gguf": a GGUF
     # file's quantised blocks as the file stores them (kiln/models/gguf_blocks.py: no second rounding, no
     # converted copy), other layers (float tensors, 2- and 3-bit types) as int8; "int8": every layer re-quantised
@@ -49,6 +51,10 @@ class EngineConfig:
     page_size: int = 16  # tokens per KV page: a power of two up to 256 (kiln/kernels/page_format.py, PAGE_SIZES)
     kv_budget_bytes: int = 2 * 1024**3  # memory for KV pages; the pool is sized from it at start
     max_num_seqs: int = 32  # requests in one step
+    # Decode steps replayed as CUDA graphs (kiln/engine/decode_graphs.py): one graph per batch-size bucket, captured
+    # at start-up, its inputs in static buffers. None: where the platform captures graphs (a GPU). True on the CPU
+    # runs the same static, padded step without capture (what the tests check against the dynamic step).
+    decode_graphs: bool | None = None
     # Most of those slots one caller (an API key; a connection on a server without keys) holds at once,
     # even alone. None: every free slot, given back down to a fair share when another caller waits
     # (kiln/engine/scheduler.py § Fair shares).
@@ -114,8 +120,8 @@ class EngineConfig:
         if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size not in PAGE_SIZES:
             problems.append(f"page_size must be one of {', '.join(map(str, PAGE_SIZES))} (the attention kernels' page sizes), "
                             f"got {self.page_size!r}")
-        if self.dtype not in DTYPES:
-            problems.append(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in (*DTYPES, "auto"):
+            problems.append(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {self.dtype!r}")
         if self.kv_dtype not in (None, "auto", *DTYPES):
             problems.append(f"kv_dtype must be one of {sorted(DTYPES)}, 'auto' or None, got {self.kv_dtype!r}")
         try:
@@ -123,6 +129,8 @@ class EngineConfig:
         except (RuntimeError, TypeError) as error:  # torch.device's refusal of a malformed name
             problems.append(f"device must name a torch device ('cpu', 'cuda:0'), got {self.device!r}: {error}")
             platform = Platform.of("cpu")  # for the checks below; the config is refused anyway
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", platform.default_dtype)
         dtype = DTYPES.get(self.dtype, torch.float32)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             problems.append(f"quantization must be one of {list(QUANTIZATIONS)} or None, got {self.quantization!r}")
@@ -132,6 +140,12 @@ class EngineConfig:
             problems.append(problem)
         if self.kv_dtype == "auto":
             object.__setattr__(self, "kv_dtype", platform.default_kv_dtype(self.quantization))
+        if self.decode_graphs is None:
+            object.__setattr__(self, "decode_graphs", platform.captures_graphs)
+        elif not isinstance(self.decode_graphs, bool):
+            problems.append(f"decode_graphs must be a boolean or None, got {self.decode_graphs!r}")
+        elif self.decode_graphs and self.deterministic:
+            problems.append("decode_graphs pads decode steps to fixed batch sizes, which the deterministic mode's kernels do not take")
         if not isinstance(self.deterministic, bool):
             problems.append(f"deterministic must be a boolean, got {self.deterministic!r}")
         elif self.deterministic and (problem := platform.deterministic_problem(dtype, DTYPES.get(self.kv_dtype or self.dtype, dtype))):

@@ -46,6 +46,16 @@ class Platform:
         """Kiln's C++ kernels compute here."""
         return self.name == "cpu-kernels"
 
+    @property
+    def default_dtype(self) -> str:
+        """What EngineConfig's dtype "auto" resolves to: bfloat16 on a GPU, float32 on the CPU (the kernels' dtype)."""
+        return "float32" if self.on_host else "bfloat16"
+
+    @property
+    def captures_graphs(self) -> bool:
+        """Whether decode steps are captured as CUDA graphs by default (EngineConfig.decode_graphs)."""
+        return self.device.type == "cuda"
+
     def default_quantization(self, dtype: torch.dtype) -> str | None:
         """What EngineConfig's quantization "auto" resolves to: the GGUF blocks as stored where the kernels
         run on float32 activations, else the exact path."""

@@ -59,6 +59,7 @@ class _GroupStep:
     block_table: torch.Tensor  # [B, P] pages each sequence reads (padded with its first page; masked)
     first_pos: torch.Tensor  # [B, P] position of each listed page's first slot (padding: NO_POSITION)
     query_pos: torch.Tensor  # [B, Q] position of each query (padding repeats the sequence's last)
+    page_counts: torch.Tensor  # [B] int32: pages listed for each sequence (the rest of its row is padding)
     window: int | None
     page_size: int
 
@@ -154,8 +155,9 @@ class KVStep:
         # Through numpy, whose conversion of a long list is several times torch.tensor's: these grow with the history.
         block_table = np.empty((len(slices), width), dtype=np.int64)
         first_pos = np.full((len(slices), width), NO_POSITION, dtype=np.int64)
+        counts = np.array([len(s.pages[g]) for s in slices], dtype=np.int32)
         for b, s in enumerate(slices):
-            listed = len(s.pages[g])
+            listed = counts[b]
             block_table[b, :listed] = s.pages[g]
             block_table[b, listed:] = s.pages[g][0]
             first_pos[b, :listed] = s.page_indices[g]
@@ -170,7 +172,7 @@ class KVStep:
                 offsets.append(position % ps)
         return _GroupStep(torch.tensor(pages, device=device), torch.tensor(offsets, device=device),
                           torch.from_numpy(block_table).to(device), torch.from_numpy(first_pos).to(device),
-                          query_pos, self.layout.groups[g].window, ps)
+                          query_pos, torch.from_numpy(counts).to(device), self.layout.groups[g].window, ps)
 
     def tier_runs(self, g: int) -> list[list[TierRun]]:
         """Per slice, its tier pages of group `g` as merging calls, worked out once per step (every layer of the
