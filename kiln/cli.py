@@ -72,6 +72,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         "none = exact weights in --dtype")
     parser.add_argument("--deterministic", action="store_true", default=None,
                         help="bit-identical logits whatever the batch and prefill chunking (slower prefill; default off)")
+    parser.add_argument("--decode-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="decode steps as CUDA graphs, one per batch-size bucket (default: on a GPU)")
     parser.add_argument("--speculative", choices=[*SPECULATIVE_METHODS, "none"], default=None,
                         help="speculative decoding from the session's history (default ngram); none turns it off")
     parser.add_argument("--num-speculative-tokens", type=int, default=None, help=f"most draft tokens verified per step (default {_ENGINE_DEFAULTS['num_speculative_tokens']})")
@@ -152,6 +154,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "dtype": args.dtype,
         "kv_dtype": args.kv_dtype,
         "deterministic": args.deterministic,
+        "decode_graphs": args.decode_graphs,
         "num_speculative_tokens": args.num_speculative_tokens,
         "max_num_seqs": args.max_num_seqs,
         "max_seqs_per_caller": args.max_seqs_per_caller,

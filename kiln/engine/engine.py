@@ -34,6 +34,7 @@ import torch
 
 from kiln.config import EngineConfig
 from kiln.engine.constraints import compiler_for
+from kiln.engine.decode_graphs import DecodeGraphs
 from kiln.engine.output import Finished, Outputs, Sampled
 from kiln.engine.runner import Chunk, ModelRunner, StepInputs
 from kiln.engine.sampler import Sampler, SamplingParams
@@ -58,6 +59,7 @@ from kiln.kv.pages import PageTable
 from kiln.kv.policy import KVPolicy
 from kiln.kv.tiers import PageTiers, TierUsage
 from kiln.models import build_model, quantize_model
+from kiln.models.config import ModelConfig
 from kiln.models.gguf_blocks import use_file_blocks
 from kiln.models.loader import LoadedModel
 from kiln.models.quant import quantized_file
@@ -142,6 +144,7 @@ class Engine:
         self._cache = KVCache(layout, num_pages, codec, config.device, kv_format, tiers)
         stream_pages = -(-config.kv_stream_chunk_tokens // config.page_size)
         self._runner = ModelRunner(self.model, self._cache.storage, config.deterministic, tiers, stream_pages)
+        self.decode_graphs = self._use_decode_graphs(config, loaded.config)
         self._sampler = Sampler()
         self._step_sampler = StepSampler(self._sampler)
         self._proposer = NgramProposer(config.num_speculative_tokens) if config.speculative == "ngram" else None
@@ -162,6 +165,17 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         _live_engines.add(self)
+
+    def _use_decode_graphs(self, config: EngineConfig, model_config: ModelConfig) -> DecodeGraphs | None:
+        """Decode steps over static buffers, captured as CUDA graphs where the platform does (counted in the
+        start-up time). Not for mixture-of-experts models, whose routing sizes its work from the router's values."""
+        if not config.decode_graphs:
+            return None
+        if model_config.moe is not None:
+            logger.info("decode graphs off: a mixture-of-experts model's routing reads device values on the host")
+            return None
+        return self._runner.use_decode_graphs(config.max_num_seqs, self.max_model_len, self._cache.reserve_page(),
+                                              capture=config.platform.captures_graphs)
 
     # ---- what the engine holds ----------------------------------------------------------------------
 

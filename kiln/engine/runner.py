@@ -7,6 +7,7 @@ from itertools import accumulate, chain
 
 import torch
 
+from kiln.engine.decode_graphs import DecodeBucket, DecodeGraphs
 from kiln.engine.sequence import Sequence
 from kiln.kernels import kernels
 from kiln.kv.layout import KVLayout
@@ -22,6 +23,7 @@ class StepInputs:
     positions: torch.Tensor  # [N]
     logit_rows: torch.Tensor  # [M] rows whose logits the step returns, in chunk order
     attention: AttentionBatch
+    decode: DecodeBucket | None = None  # a decode step run over this bucket's static buffers (and graph)
 
 
 @dataclass
@@ -56,12 +58,28 @@ class ModelRunner:
         self.storage = storage
         self.layout: KVLayout = storage.layout
         self.workspace = Workspace()
+        self.graphs: DecodeGraphs | None = None  # `use_decode_graphs`
+
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, scratch: int, capture: bool) -> DecodeGraphs:
+        """Decode steps from now on run over static buffers padded to batch-size buckets (kiln/engine/decode_graphs.py),
+        their padding rows writing to page `scratch`, which nothing else may use; `capture`: as CUDA graphs."""
+        self.graphs = DecodeGraphs(self.storage, max_num_seqs, max_model_len, scratch, self.attention)
+        if capture:
+            self.graphs.capture(self.model)
+        return self.graphs
+
+    def attention(self, lengths: list[int], kv: KVStep) -> AttentionBatch:
+        """How a step of sequences with `lengths` new tokens over `kv` attends (AttentionBatch.for_lengths)."""
+        return AttentionBatch.for_lengths(lengths, kv, self.batch_invariant, self.kernel_attention)
 
     def prepare(self, chunks: list[Chunk]) -> StepInputs:
         """Everything the forward needs, read from the sequences' page tables (call under the engine
         lock: the tables must not change while this runs; the forward itself needs no lock)."""
         device = self.storage.device
         slices = [self._slice(c.seq, c.num_tokens) for c in chunks]
+        plain_decode = self.graphs is not None and all(c.logit_rows == 1 and not c.draft for c in chunks)
+        if plain_decode and (bucket := self.graphs.bucket(slices)) is not None:  # type: ignore[union-attr]
+            return self._static_decode(bucket, chunks, slices)
         lengths = [c.num_tokens for c in chunks]
         ends = list(accumulate(lengths))
         rows = [row for c, end in zip(chunks, ends, strict=True) for row in range(end - c.logit_rows, end)]
@@ -70,14 +88,21 @@ class ModelRunner:
             input_ids=torch.tensor([t for c in chunks for t in c.input_ids()], device=device),
             positions=kv.row_pos,
             logit_rows=torch.tensor(rows, dtype=torch.long, device=device),
-            attention=AttentionBatch.for_lengths(lengths, kv, self.batch_invariant, self.kernel_attention),
+            attention=self.attention(lengths, kv),
         )
+
+    def _static_decode(self, bucket: DecodeBucket, chunks: list[Chunk], slices: list[KVSlice]) -> StepInputs:
+        bucket.fill(slices, [c.seq.tokens[c.seq.num_computed] for c in chunks])
+        n = len(chunks)
+        return StepInputs(bucket.input_ids[:n], bucket.positions[:n], bucket.row_seq[:n], bucket.attention(), bucket)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
         """Write K/V for every chunk's tokens; return float32 logits [M, vocab] of the requested rows, None
         if none were. The LM head is the biggest matmul of a small model, so rows nobody samples from
         (intermediate prefill chunks) skip it."""
+        if inputs.decode is not None:
+            return inputs.decode.run(self.model, inputs.attention)[: len(inputs.logit_rows)]
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attention)
         if not inputs.logit_rows.numel():
             return None

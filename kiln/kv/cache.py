@@ -438,6 +438,11 @@ class KVCache:
                         table.tiered[g].discard(i)
                         self.tiers.release((g, table.hashes[i]))
 
+    def reserve_page(self) -> int:
+        """A page taken out of the pool for good, never cached, shared or released: the scratch page that decode
+        graphs' padding rows write to (kiln/engine/decode_graphs.py). It counts as used."""
+        return self._allocate()
+
     def _shared(self, page: int | None) -> bool:
         return page is not None and (self.refcount[page] > 1 or page in self._key_of)
 

@@ -53,7 +53,7 @@ class KVSlice:
 
 
 @dataclass
-class _GroupStep:
+class GroupStep:
     write_pages: torch.Tensor  # [N] page each new token's K/V goes to
     write_offsets: torch.Tensor  # [N] its offset in that page
     block_table: torch.Tensor  # [B, P] pages each sequence reads (padded with its first page; masked)
@@ -132,24 +132,44 @@ class KVStep:
             g for g, group in enumerate(self.layout.groups)
             if any((g < len(s.tiered) and s.tiered[g]) or (s.stream and group.window is None) for s in slices)
         }
-        self.peak_bytes = 0
-        self.layer_slots = storage.layer_slots
         device = storage.device
         max_q = max(s.num_tokens for s in slices)
         # Padding queries repeat the sequence's last query: same mask row, never a fully masked row.
         query_pos = torch.tensor(
             [[s.start + min(i, s.num_tokens - 1) for i in range(max_q)] for s in slices], device=device
         )
-        self.groups = [self._group(g, slices, query_pos, device) for g in range(self.layout.num_groups)]
-        self.row_seq = torch.tensor([b for b, s in enumerate(slices) for _ in range(s.num_tokens)], device=device)
-        self.last_position = max(s.start + s.num_tokens for s in slices) - 1
-        self.row_pos = torch.tensor([p for s in slices for p in range(s.start, s.start + s.num_tokens)], device=device)
+        self._bind([self._group(g, slices, query_pos, device) for g in range(self.layout.num_groups)],
+                   torch.tensor([b for b, s in enumerate(slices) for _ in range(s.num_tokens)], device=device),
+                   torch.tensor([p for s in slices for p in range(s.start, s.start + s.num_tokens)], device=device),
+                   max(s.start + s.num_tokens for s in slices) - 1)
+
+    @classmethod
+    def of_tensors(
+        cls, storage: PageStorage, groups: list[GroupStep], row_seq: torch.Tensor, row_pos: torch.Tensor,
+        last_position: int, workspace: Workspace,
+    ) -> KVStep:
+        """A step over tensors built elsewhere (kiln/engine/decode_graphs.py's static buffers): no slices and no
+        tier pages. `last_position` bounds the rows' positions (the RoPE tables are built up to it)."""
+        step = cls.__new__(cls)
+        step.storage, step.layout, step.workspace = storage, storage.layout, workspace
+        step.slices, step.tiers, step.stream_pages = [], None, 0
+        step._tier_runs, step._streamed_groups = {}, set()
+        step._bind(groups, row_seq, row_pos, last_position)
+        return step
+
+    def _bind(self, groups: list[GroupStep], row_seq: torch.Tensor, row_pos: torch.Tensor, last_position: int) -> None:
+        self.peak_bytes = 0
+        self.layer_slots = self.storage.layer_slots
+        self.groups = groups
+        self.row_seq = row_seq
+        self.row_pos = row_pos
+        self.last_position = last_position
         self._kernel_rows = [
             (group.write_pages, group.write_offsets, group.block_table, group.first_pos, self.row_seq, self.row_pos, group.window or 0)
             for group in self.groups
         ]
 
-    def _group(self, g: int, slices: list[KVSlice], query_pos: torch.Tensor, device: torch.device) -> _GroupStep:
+    def _group(self, g: int, slices: list[KVSlice], query_pos: torch.Tensor, device: torch.device) -> GroupStep:
         ps = self.layout.page_size
         width = max(len(s.pages[g]) for s in slices)
         # Through numpy, whose conversion of a long list is several times torch.tensor's: these grow with the history.
@@ -170,7 +190,7 @@ class KVStep:
             for position in range(s.start, s.start + s.num_tokens):
                 pages.append(s.pages[g][first + position // ps - s.start // ps])
                 offsets.append(position % ps)
-        return _GroupStep(torch.tensor(pages, device=device), torch.tensor(offsets, device=device),
+        return GroupStep(torch.tensor(pages, device=device), torch.tensor(offsets, device=device),
                           torch.from_numpy(block_table).to(device), torch.from_numpy(first_pos).to(device),
                           query_pos, torch.from_numpy(counts).to(device), self.layout.groups[g].window, ps)
 
@@ -217,7 +237,7 @@ class KVStep:
         g, slot = self.layer_slots[layer]
         self.storage.write(slot, self.groups[g].write_pages, self.groups[g].write_offsets, k, v)
 
-    def pages(self, layer: int) -> tuple[Segment, Segment, _GroupStep, int | None]:
+    def pages(self, layer: int) -> tuple[Segment, Segment, GroupStep, int | None]:
         """For kernels that read pages in place: the layer's K and V segments across the pool (the codec's
         views, [P, page_size, kv_heads, ...]), its group's step (block_table, first_pos) and the group's
         window. Queries are described by `row_seq` (each row's sequence in the step) and `row_pos` (its
