@@ -74,6 +74,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="bit-identical logits whatever the batch and prefill chunking (slower prefill; default off)")
     parser.add_argument("--decode-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="decode steps as CUDA graphs, one per batch-size bucket (default: on a GPU)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="launch the next greedy decode step before this one's tokens reach the host "
+                        "(needs decode graphs; default: on where they are captured)")
     parser.add_argument("--speculative", choices=[*SPECULATIVE_METHODS, "none"], default=None,
                         help="speculative decoding from the session's history (default ngram); none turns it off")
     parser.add_argument("--num-speculative-tokens", type=int, default=None, help=f"most draft tokens verified per step (default {_ENGINE_DEFAULTS['num_speculative_tokens']})")
@@ -155,6 +158,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "kv_dtype": args.kv_dtype,
         "deterministic": args.deterministic,
         "decode_graphs": args.decode_graphs,
+        "async_scheduling": args.async_scheduling,
         "num_speculative_tokens": args.num_speculative_tokens,
         "max_num_seqs": args.max_num_seqs,
         "max_seqs_per_caller": args.max_seqs_per_caller,

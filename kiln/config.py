@@ -55,6 +55,10 @@ class EngineConfig:
     # at start-up, its inputs in static buffers. None: where the platform captures graphs (a GPU). True on the CPU
     # runs the same static, padded step without capture (what the tests check against the dynamic step).
     decode_graphs: bool | None = None
+    # Launch the next decode step from this one's sampled ids while they are still on the device, and process
+    # this step's tokens while it runs (kiln/engine/run_ahead.py: plain greedy decode steps over decode graphs).
+    # None: where decode graphs are captured (a GPU, where the step's Python would otherwise idle the device).
+    async_scheduling: bool | None = None
     # Most of those slots one caller (an API key; a connection on a server without keys) holds at once,
     # even alone. None: every free slot, given back down to a fair share when another caller waits
     # (kiln/engine/scheduler.py § Fair shares).
@@ -146,6 +150,12 @@ class EngineConfig:
             problems.append(f"decode_graphs must be a boolean or None, got {self.decode_graphs!r}")
         elif self.decode_graphs and self.deterministic:
             problems.append("decode_graphs pads decode steps to fixed batch sizes, which the deterministic mode's kernels do not take")
+        if self.async_scheduling is None:
+            object.__setattr__(self, "async_scheduling", bool(self.decode_graphs) and platform.captures_graphs)
+        elif not isinstance(self.async_scheduling, bool):
+            problems.append(f"async_scheduling must be a boolean or None, got {self.async_scheduling!r}")
+        elif self.async_scheduling and not self.decode_graphs:
+            problems.append("async_scheduling launches decode steps over decode graphs' buffers: it needs decode_graphs")
         if not isinstance(self.deterministic, bool):
             problems.append(f"deterministic must be a boolean, got {self.deterministic!r}")
         elif self.deterministic and (problem := platform.deterministic_problem(dtype, DTYPES.get(self.kv_dtype or self.dtype, dtype))):

@@ -36,8 +36,9 @@ from kiln.config import EngineConfig
 from kiln.engine.constraints import compiler_for
 from kiln.engine.decode_graphs import DecodeGraphs
 from kiln.engine.output import Finished, Outputs, Sampled
+from kiln.engine.run_ahead import LaunchedDecode, plain_greedy
 from kiln.engine.runner import Chunk, ModelRunner, StepInputs
-from kiln.engine.sampler import Sampler, SamplingParams
+from kiln.engine.sampler import Sampler, SamplingParams, argmax
 from kiln.engine.scheduler import ScheduledChunk, Scheduler
 from kiln.engine.sequence import Event, FinishEvent, InFlight, Request, Sequence
 from kiln.engine.speculative import NgramProposer
@@ -164,6 +165,7 @@ class Engine:
         self._stored: StoredPrefixes | None = None  # the persistent prefix store (`use_prefix_store`)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._ahead: LaunchedDecode | None = None  # a decode step launched ahead of its predecessor's tokens
         _live_engines.add(self)
 
     def _use_decode_graphs(self, config: EngineConfig, model_config: ModelConfig) -> DecodeGraphs | None:
@@ -507,7 +509,7 @@ class Engine:
     def _wait_for_work(self) -> bool:
         """False once shutdown began."""
         with self._wake:
-            while not self._stopping and not (self._scheduler.has_work() or self._finished):
+            while not self._stopping and not (self._scheduler.has_work() or self._finished or self._ahead):
                 self._wake.wait(self._stored.timeout_s() if self._stored is not None else None)
             return not self._stopping
 
@@ -516,6 +518,7 @@ class Engine:
             self.step()
         except Exception as error:  # a bug in a step fails the requests in flight, never the engine
             logger.exception("engine step failed; failing the requests in flight")
+            self._ahead = None
             with self._lock:
                 ended = self._fail(self._scheduler.requests(), error)
             self._outputs.deliver(ended)
@@ -560,8 +563,18 @@ class Engine:
             _live_engines.discard(self)
 
     def step(self) -> None:
-        """One scheduler step: schedule -> forward -> commit -> sample -> accept -> emit. Safe to call
+        """One scheduler step: schedule -> forward -> commit -> sample -> accept -> emit; or, where a decode step
+        was launched ahead (kiln/engine/run_ahead.py), that step's commit -> accept -> emit. Safe to call
         directly when no loop thread runs (tests)."""
+        if self._ahead is not None:
+            launched, self._ahead = self._ahead, None
+            with self._lock:
+                keep = [i for i, c in enumerate(launched.chunks) if c.request in self._scheduler.running]
+                launched = launched.only(keep)
+                self._commit(launched.chunks)
+            if launched.chunks:
+                self._complete(launched)
+            return
         with self._lock:
             chunks, inputs, ended = self._schedule()
         self._outputs.deliver(ended)
@@ -571,14 +584,63 @@ class Engine:
         logits = self._forward(chunks, inputs)
         if logits is None:
             return
-        sampled = self._step_sampler.sample(sampling, logits)
+        if self.config.async_scheduling and inputs.decode is not None and len(sampling) == len(chunks) and all(
+            plain_greedy(c.request, self.max_model_len) for c in sampling
+        ):
+            self._complete(LaunchedDecode(sampling, argmax(logits)))
+            return
+        self._accept(sampling, self._step_sampler.sample(sampling, logits))
+
+    def _accept(self, sampling: list[ScheduledChunk], sampled: list[list[Sampled] | Exception]) -> None:
+        """The step's tokens join their requests (and stream out); requests they end finish. A request that a
+        decode step launched ahead (`_ahead`) computes a row for loses that row's K/V past its history."""
         accepted = self._outputs.accept([c.request for c in sampling], sampled)
         with self._lock:
             self._settle_drafts(sampling, sampled, accepted.appended)
             self._write_behind()
             ended = [self._finish(r, reason, stop_string) for r, reason, stop_string in accepted.endings]
             ended += [finished for r, error in accepted.failures for finished in self._fail([r], error)]
+            if self._ahead is not None:
+                for request, _ in ended:
+                    request.seq.num_computed = self._cache.drop(request.seq.table, request.seq.num_computed)
         self._outputs.deliver(ended)
+
+    def _complete(self, launched: LaunchedDecode) -> None:
+        """A plain decode step whose ids are still on the device: their copy to the host starts, the next decode
+        step is launched from them where it may be (`_run_ahead`), and only then are they waited for and
+        accepted, so that their processing overlaps the next step on a GPU."""
+        launched.copy_out()
+        self._ahead = self._run_ahead(launched)
+        self._accept(launched.chunks, launched.sampled())
+
+    def _run_ahead(self, launched: LaunchedDecode) -> LaunchedDecode | None:
+        """The next decode step of the same requests, launched with `launched`'s ids as its input tokens before
+        they reach the host; None where it may not run ahead (kiln/engine/run_ahead.py) or its pages or bucket
+        are not there. Its K/V is committed once the tokens have joined (`step`)."""
+        chunks = [ScheduledChunk(c.request, 1) for c in launched.chunks]
+        with self._lock:
+            scheduler = self._scheduler
+            if scheduler.waiting or scheduler.paused or self._stopping or len(chunks) != len(scheduler.running):
+                return None
+            if not all(plain_greedy(c.request, self.max_model_len) for c in chunks):
+                return None
+            ensured = [c.request.seq for c in chunks if self._cache.ensure(c.request.seq.table, c.request.seq.num_computed + 1)]
+            inputs = None
+            if len(ensured) == len(chunks):
+                inputs = self._runner.prepare_ahead([Chunk(c.request.seq, 1) for c in chunks], launched.ids)
+            if inputs is None:
+                for seq in ensured:
+                    seq.num_computed = self._cache.drop(seq.table, seq.num_computed)
+                return None
+        try:
+            logits = self._runner.run(inputs)
+        except Exception:  # nothing is lost: the requests go on through the scheduler, which fails them if it recurs
+            logger.exception("a decode step launched ahead failed; scheduling the next step instead")
+            with self._lock:
+                for c in chunks:
+                    c.request.seq.num_computed = self._cache.drop(c.request.seq.table, c.request.seq.num_computed)
+            return None
+        return LaunchedDecode(chunks, argmax(logits))  # type: ignore[arg-type]
 
     def _schedule(self) -> tuple[list[ScheduledChunk], StepInputs | None, list[Finished]]:
         """Under the lock: this step's chunks and their model inputs (None: nothing to run), and the

@@ -79,7 +79,7 @@ class ModelRunner:
         slices = [self._slice(c.seq, c.num_tokens) for c in chunks]
         plain_decode = self.graphs is not None and all(c.logit_rows == 1 and not c.draft for c in chunks)
         if plain_decode and (bucket := self.graphs.bucket(slices)) is not None:  # type: ignore[union-attr]
-            return self._static_decode(bucket, chunks, slices)
+            return self._static_decode(bucket, [c.seq.tokens[c.seq.num_computed] for c in chunks], slices)
         lengths = [c.num_tokens for c in chunks]
         ends = list(accumulate(lengths))
         rows = [row for c, end in zip(chunks, ends, strict=True) for row in range(end - c.logit_rows, end)]
@@ -91,9 +91,21 @@ class ModelRunner:
             attention=self.attention(lengths, kv),
         )
 
-    def _static_decode(self, bucket: DecodeBucket, chunks: list[Chunk], slices: list[KVSlice]) -> StepInputs:
-        bucket.fill(slices, [c.seq.tokens[c.seq.num_computed] for c in chunks])
-        n = len(chunks)
+    def prepare_ahead(self, chunks: list[Chunk], ids: torch.Tensor) -> StepInputs | None:
+        """A decode step (one row per chunk) whose input tokens are `ids` [len(chunks)], still on the device: the
+        previous step's samples, not yet in the sequences (kiln/engine/run_ahead.py). None where no bucket of
+        static buffers holds it (no decode graphs, or pages they cannot list)."""
+        slices = [self._slice(c.seq, 1) for c in chunks]
+        bucket = self.graphs.bucket(slices) if self.graphs is not None else None
+        if bucket is None:
+            return None
+        inputs = self._static_decode(bucket, [0] * len(chunks), slices)
+        inputs.input_ids.copy_(ids)  # on the device, after the step that sampled them
+        return inputs
+
+    def _static_decode(self, bucket: DecodeBucket, tokens: list[int], slices: list[KVSlice]) -> StepInputs:
+        bucket.fill(slices, tokens)
+        n = len(slices)
         return StepInputs(bucket.input_ids[:n], bucket.positions[:n], bucket.row_seq[:n], bucket.attention(), bucket)
 
     @torch.inference_mode()
