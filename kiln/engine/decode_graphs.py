@@ -80,6 +80,7 @@ class DecodeBucket:
             for width in widths
         ]
         self.workspace = Workspace()  # the bucket's own: a graph holds the buffers it captured
+        self._spans = [1] * len(widths)  # per group, the block table's leading columns the last fill listed
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # the graph's output, [size, vocab] float32
         self.captured: AttentionBatch | None = None  # the step the graph captured
@@ -96,28 +97,32 @@ class DecodeBucket:
 
     def fill(self, slices: list[KVSlice], tokens: list[int]) -> None:
         """The step's rows into the buffers: slice b (one new token, `tokens[b]`) is row b; the rest are padding,
-        writing to offset 0 of the scratch page and attending to it alone."""
+        writing to offset 0 of the scratch page and attending to it alone. Only the block tables' leading columns
+        that this step or the last one listed are written: a step costs what its histories do, not what
+        `max_model_len` does."""
         n, size, ps = len(slices), self.size, self.layout.page_size
         self.input_ids.copy_(_host([*tokens, *[0] * (size - n)]), non_blocking=True)
         self.positions.copy_(_host([s.start for s in slices] + [0] * (size - n)), non_blocking=True)
         for g, buffers in enumerate(self.groups):
-            width = buffers.block_table.shape[1]
-            block_table = np.full((size, width), self.scratch, dtype=np.int64)
-            first_pos = np.full((size, width), NO_POSITION, dtype=np.int64)
-            first_pos[n:, 0] = 0
             counts = np.ones(size, dtype=np.int32)
+            counts[:n] = [len(s.pages[g]) for s in slices]
+            span = max(int(counts.max()), self._spans[g])
+            self._spans[g] = int(counts.max())
+            block_table = np.full((size, span), self.scratch, dtype=np.int64)
+            first_pos = np.full((size, span), NO_POSITION, dtype=np.int64)
+            first_pos[n:, 0] = 0
             write_pages = np.full(size, self.scratch, dtype=np.int64)
             write_offsets = np.zeros(size, dtype=np.int64)
             for b, s in enumerate(slices):
                 pages, indices = s.pages[g], s.page_indices[g]
-                counts[b] = len(pages)
                 block_table[b, : len(pages)] = pages
                 first_pos[b, : len(pages)] = indices
                 first_pos[b, : len(pages)] *= ps
                 write_pages[b] = pages[bisect_left(indices, s.start // ps)]
                 write_offsets[b] = s.start % ps
             for buffer, values in zip(
-                (buffers.block_table, buffers.first_pos, buffers.page_counts, buffers.write_pages, buffers.write_offsets),
+                (buffers.block_table[:, :span], buffers.first_pos[:, :span], buffers.page_counts, buffers.write_pages,
+                 buffers.write_offsets),
                 (block_table, first_pos, counts, write_pages, write_offsets), strict=True,
             ):
                 buffer.copy_(torch.from_numpy(values), non_blocking=True)

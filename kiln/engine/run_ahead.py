@@ -53,7 +53,7 @@ class LaunchedDecode:
         """The same step reduced to the chunks at `keep` (the others' requests ended meanwhile)."""
         if len(keep) == len(self.chunks):
             return self
-        index = torch.tensor(keep, device=self.ids.device)
+        index = torch.tensor(keep, dtype=torch.long, device=self.ids.device)
         return LaunchedDecode([self.chunks[i] for i in keep], self.ids.index_select(0, index))
 
 
