@@ -45,6 +45,7 @@ import torch
 
 from kiln.engine.compile_threads import CompileThreads
 from kiln.engine.constraint_limits import LIMITS, check_schema, check_source, parse_schema
+from kiln.engine.transfers import to_device
 from kiln.errors import InvalidArgumentError, InvariantViolation
 from kiln.platform import Platform
 from kiln.tokenizer import Tokenizer
@@ -414,7 +415,9 @@ def constrain(logits: torch.Tensor, matchers: Sequence[Matcher | None],
     """What limits each row's choice before sampling: its grammar's mask (disallowed tokens to -inf)
     and its logit bias (added, OpenAI's `logit_bias`). Returns new logits when any row has either, else
     `logits` itself (never modified in place: a failed batch is sampled again row by row). One pass over
-    the batch's logits: rows without a grammar get an all-allowed mask."""
+    the batch's logits: rows without a grammar get an all-allowed mask. Masks and biases are made on the
+    host from the matchers' state, which this step's logits do not change, so on a device that work
+    overlaps the forward still running there, and applying them reads nothing back."""
     masked = [row for row, matcher in enumerate(matchers) if matcher is not None]
     biased = [row for row, bias in enumerate(biases) if bias]
     if not masked and not biased:
@@ -423,22 +426,31 @@ def constrain(logits: torch.Tensor, matchers: Sequence[Matcher | None],
         words = np.full((logits.shape[0], (logits.shape[1] + 31) // 32), -1, dtype=np.int32)
         for row in masked:
             matchers[row].fill_mask(words[row])  # type: ignore[union-attr]
-        logits = _blocked(logits, _unpack(np.invert(words), logits.shape[1]))
+        logits = _blocked(logits, words)
     else:
         logits = logits.clone()
-    for row in biased:
-        ids, values = zip(*biases[row], strict=True)
-        logits[row, list(ids)] += torch.tensor(values, dtype=logits.dtype)
+    if biased:
+        entries = [(row, token, value) for row in biased for token, value in biases[row]]
+        rows, tokens, values = zip(*entries, strict=True)
+        index = to_device(torch.tensor([rows, tokens]), logits.device)
+        logits[index[0], index[1]] += to_device(torch.tensor(values, dtype=logits.dtype), logits.device)
     return logits
 
 
-def _blocked(logits: torch.Tensor, blocked: np.ndarray) -> torch.Tensor:
-    """New logits with the blocked tokens at -inf. On the CPU one NumPy pass in this thread: torch's
-    elementwise ops split a 1 MB row across threads, and on a busy machine the step then waits for
-    whichever of them was preempted."""
-    if Platform.of(logits.device).on_host and logits.dtype == torch.float32:
+def _blocked(logits: torch.Tensor, words: np.ndarray) -> torch.Tensor:
+    """New logits with the tokens the bitmasks `words` ([rows, words], 1 = allowed) do not allow at -inf.
+    On the CPU one NumPy pass in this thread: torch's elementwise ops split a 1 MB row across threads, and
+    on a busy machine the step then waits for whichever of them was preempted. On a device the bitmasks
+    (a 32nd of a bool mask's bytes) are copied there and unpacked there."""
+    if not Platform.of(logits.device).on_host:
+        packed = to_device(torch.from_numpy(words), logits.device)
+        bits = packed[:, :, None] >> torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = (bits & 1).flatten(1)[:, : logits.shape[1]]
+        return logits.masked_fill(allowed == 0, float("-inf"))
+    blocked = _unpack(np.invert(words), logits.shape[1])
+    if logits.dtype == torch.float32:
         return torch.from_numpy(np.where(blocked, np.float32(-np.inf), logits.numpy()))
-    return logits.masked_fill(torch.from_numpy(blocked).to(logits.device), float("-inf"))
+    return logits.masked_fill(torch.from_numpy(blocked), float("-inf"))
 
 
 def _unpack(words: np.ndarray, vocab_size: int) -> np.ndarray:

@@ -36,9 +36,9 @@ from kiln.config import EngineConfig
 from kiln.engine.constraints import compiler_for
 from kiln.engine.decode_graphs import DecodeGraphs
 from kiln.engine.output import Finished, Outputs, Sampled
-from kiln.engine.run_ahead import LaunchedDecode, plain_greedy
+from kiln.engine.run_ahead import LaunchedDecode, runs_ahead
 from kiln.engine.runner import Chunk, ModelRunner, StepInputs
-from kiln.engine.sampler import Sampler, SamplingParams, argmax
+from kiln.engine.sampler import Sampler, SamplingParams
 from kiln.engine.scheduler import ScheduledChunk, Scheduler
 from kiln.engine.sequence import Event, FinishEvent, InFlight, Request, Sequence
 from kiln.engine.speculative import NgramProposer
@@ -166,6 +166,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._ahead: LaunchedDecode | None = None  # a decode step launched ahead of its predecessor's tokens
+        self._on_host = config.platform.on_host  # the host's Sampler draws a step's tokens (run_ahead.runs_ahead)
         _live_engines.add(self)
 
     def _use_decode_graphs(self, config: EngineConfig, model_config: ModelConfig) -> DecodeGraphs | None:
@@ -585,9 +586,9 @@ class Engine:
         if logits is None:
             return
         if self.config.async_scheduling and inputs.decode is not None and len(sampling) == len(chunks) and all(
-            plain_greedy(c.request, self.max_model_len) for c in sampling
+            runs_ahead(c.request, self.max_model_len, self._on_host) for c in sampling
         ):
-            self._complete(LaunchedDecode(sampling, argmax(logits)))
+            self._complete(LaunchedDecode(sampling, self._step_sampler.launch([c.request for c in sampling], logits)))
             return
         self._accept(sampling, self._step_sampler.sample(sampling, logits))
 
@@ -622,7 +623,7 @@ class Engine:
             scheduler = self._scheduler
             if scheduler.waiting or scheduler.paused or self._stopping or len(chunks) != len(scheduler.running):
                 return None
-            if not all(plain_greedy(c.request, self.max_model_len) for c in chunks):
+            if not all(runs_ahead(c.request, self.max_model_len, self._on_host) for c in chunks):
                 return None
             ensured = [c.request.seq for c in chunks if self._cache.ensure(c.request.seq.table, c.request.seq.num_computed + 1)]
             inputs = None
@@ -640,7 +641,7 @@ class Engine:
                 for c in chunks:
                     c.request.seq.num_computed = self._cache.drop(c.request.seq.table, c.request.seq.num_computed)
             return None
-        return LaunchedDecode(chunks, argmax(logits))  # type: ignore[arg-type]
+        return LaunchedDecode(chunks, self._step_sampler.launch([c.request for c in chunks], logits))  # type: ignore[arg-type]
 
     def _schedule(self) -> tuple[list[ScheduledChunk], StepInputs | None, list[Finished]]:
         """Under the lock: this step's chunks and their model inputs (None: nothing to run), and the

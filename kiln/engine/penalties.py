@@ -16,12 +16,14 @@ still -inf), so constrained decoding only ever picks between tokens the grammar 
 A request's counts live in a `Penalties`: the distinct tokens of its sequence (a list of ids and a map
 from token to its place in it) and the reply's counts, made at its first sampled step from the history
 (one scatter) and brought up to date from the tokens that joined since (one scatter per step, however
-long the history): no loop over tokens. Penalising gathers the logits of those distinct tokens, changes
-them and writes them back, so a step costs what the sequence's distinct tokens do, not what the
-vocabulary does (262k logits for Gemma 3). It exists only for a request with a penalty on. Every
-operation is elementwise on the request's own rows, so a row's penalised logits do not depend on its
-batch-mates, and are bit-identical whether the row is sampled alone or as a speculative draft's row
-(batch invariance; deterministic mode needs nothing more).
+long the history): no loop over tokens. Which tokens are new is decided on the host (the map lives
+there), so on a GPU bringing the counts up to date only queues copies and kernels: nothing waits for the
+step's forward, still running when sampling starts (kiln/engine/transfers.py). Penalising gathers the
+logits of those distinct tokens, changes them and writes them back, so a step costs what the sequence's
+distinct tokens do, not what the vocabulary does (262k logits for Gemma 3). It exists only for a request
+with a penalty on. Every operation is elementwise on the request's own rows, so a row's penalised logits
+do not depend on its batch-mates, and are bit-identical whether the row is sampled alone or as a
+speculative draft's row (batch invariance; deterministic mode needs nothing more).
 
 A draft's rows (speculative verification): row i follows the draft's first i tokens, so those count as
 generated for it, exactly as they would have had the tokens been decoded one at a time.
@@ -34,35 +36,36 @@ from dataclasses import dataclass
 import torch
 
 from kiln.engine.sampler import SamplingParams
+from kiln.engine.transfers import to_device
 
 
 @dataclass(eq=False)
 class Penalties:
     """One request's token counts. `ids`: the distinct tokens of the sequence (history and reply);
-    `column[j]`: j's place in `ids` (-1: absent); `counts[j]`: how many times the reply holds j (float32,
-    exact below 2**24 tokens)."""
+    `column[j]`: j's place in `ids` (-1: absent), on the host; `counts[j]`: how many times the reply holds j
+    (float32, exact below 2**24 tokens)."""
 
-    ids: torch.Tensor  # [distinct] int64
-    column: torch.Tensor  # [vocab] int64
-    counts: torch.Tensor  # [vocab] float32
+    ids: torch.Tensor  # [distinct] int64, on the logits' device
+    column: torch.Tensor  # [vocab] int64, on the host
+    counts: torch.Tensor  # [vocab] float32, on the logits' device
     history_seen: int = 0  # sequence tokens already in `ids`
     generated_seen: int = 0  # reply tokens already in `counts`
 
     @classmethod
     def empty(cls, vocab_size: int, device: torch.device) -> Penalties:
         return cls(torch.zeros(0, dtype=torch.int64, device=device),
-                   torch.full((vocab_size,), -1, dtype=torch.int64, device=device),
+                   torch.full((vocab_size,), -1, dtype=torch.int64),
                    torch.zeros(vocab_size, dtype=torch.float32, device=device))
 
     def sync(self, tokens: list[int], generated: list[int]) -> None:
         """Count the tokens that joined since the last call (sequences and replies only grow)."""
         if len(tokens) > self.history_seen:
             fresh = self._absent(tokens[self.history_seen :])
-            self.column[fresh] = torch.arange(len(self.ids), len(self.ids) + len(fresh), device=fresh.device)
-            self.ids = torch.cat([self.ids, fresh])
+            self.column[fresh] = torch.arange(len(self.ids), len(self.ids) + len(fresh))
+            self.ids = torch.cat([self.ids, to_device(fresh, self.ids.device)])
             self.history_seen = len(tokens)
         if len(generated) > self.generated_seen:
-            new = torch.tensor(generated[self.generated_seen :], device=self.counts.device)
+            new = to_device(torch.tensor(generated[self.generated_seen :]), self.counts.device)
             self.counts.index_add_(0, new, torch.ones(len(new), device=self.counts.device))
             self.generated_seen = len(generated)
 
@@ -74,16 +77,17 @@ class Penalties:
         """Penalise a draft chunk's rows [len(draft) + 1, vocab] in place: row i also counts draft[:i] as
         generated (and present)."""
         fresh = self._absent(draft)  # sorted: a draft token's place among them by binary search
-        ids = torch.cat([self.ids, fresh])
+        ids = torch.cat([self.ids, to_device(fresh, rows.device)])
         num_rows, known = len(rows), len(self.ids)
         present = torch.zeros(num_rows, len(ids), dtype=torch.bool, device=rows.device)
         present[:, :known] = True
         counts = self.counts[ids].expand(num_rows, -1).clone()
         if draft:
-            tokens = torch.tensor(draft, device=rows.device)
+            tokens = torch.tensor(draft)
             places = self.column[tokens]
             absent = places < 0
             places[absent] = known + torch.searchsorted(fresh, tokens[absent])
+            places = to_device(places, rows.device)
             # (row, draft position) for every row after each draft position: the lower triangle below the diagonal
             row_ids, positions = torch.tril_indices(num_rows, len(draft), offset=-1, device=rows.device)
             present[row_ids, places[positions]] = True
@@ -91,8 +95,8 @@ class Penalties:
         penalise_(rows, ids, present, counts, params)
 
     def _absent(self, tokens: list[int]) -> torch.Tensor:
-        """The distinct tokens of `tokens` not yet in `ids`, sorted."""
-        new = torch.tensor(tokens, dtype=torch.int64, device=self.column.device)
+        """The distinct tokens of `tokens` not yet in `ids`, sorted, on the host."""
+        new = torch.tensor(tokens, dtype=torch.int64)
         return torch.unique(new[self.column[new] < 0])
 
 

@@ -192,17 +192,23 @@ class Sampler:
 
     def draw(self, probs: torch.Tensor, request_id: int, seed: int | None) -> int:
         """One token from (unnormalised) probabilities, with the request's generator when it has a seed."""
-        return int(torch.multinomial(probs, 1, generator=self._generator(request_id, seed)))
+        generator = self.generator(request_id, seed, probs.device)
+        if generator is not None:  # drawn where its generator lives (a device's, once the BatchSampler made it)
+            probs = probs.to(generator.device)
+        return int(torch.multinomial(probs, 1, generator=generator))
 
-    def uniform(self, request_id: int, seed: int | None) -> float:
+    def uniform(self, request_id: int, seed: int | None, device: torch.device | str = "cpu") -> float:
         """A uniform draw in [0, 1) from the request's generator (speculative acceptance tests)."""
-        return float(torch.rand(1, generator=self._generator(request_id, seed)))
+        generator = self.generator(request_id, seed, device)
+        return float(torch.rand(1, generator=generator, device=device if generator is None else generator.device))
 
-    def _generator(self, request_id: int, seed: int | None) -> torch.Generator | None:
+    def generator(self, request_id: int, seed: int | None,
+                  device: torch.device | str = "cpu") -> torch.Generator | None:
+        """The request's own generator (made on `device` at its first draw), or None without a seed."""
         if seed is None:
             return None
         if request_id not in self._generators:
-            self._generators[request_id] = torch.Generator().manual_seed(seed)
+            self._generators[request_id] = torch.Generator(device=device).manual_seed(seed)
         return self._generators[request_id]
 
 

@@ -106,7 +106,7 @@ def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, sampl
     out: list[int] = []
     for row, token in enumerate(draft):
         probs = sampler.probabilities(logits[row], params)
-        if float(sampler.uniform(request_id, params.seed)) < float(probs[token]):
+        if float(sampler.uniform(request_id, params.seed, logits.device)) < float(probs[token]):
             out.append(token)
             continue
         probs[token] = 0.0  # the residual max(0, p - q) for a point-mass draft q

@@ -3,8 +3,10 @@
 A plain chunk samples one token from its row; a chunk carrying a speculative draft verifies it against
 its rows (kiln/engine/speculative.py) and yields the draft's accepted prefix plus one token. Grammar
 masks and logit biases apply to every row first (kiln/engine/constraints.py), then the request's
-repetition, presence and frequency penalties (kiln/engine/penalties.py). A failure fails only the
-request it belongs to: the result for that chunk is the exception.
+repetition, presence and frequency penalties (kiln/engine/penalties.py). Plain rows on the host are
+sampled by the Sampler, row by row; on a device by the BatchSampler, all at once there, reading back
+only what the step returns. A failure fails only the request it belongs to: the result for that chunk
+is the exception.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from itertools import accumulate
 
 import torch
 
+from kiln.engine.batch_sampler import BatchSampler, DeviceSample
 from kiln.engine.constraints import Matcher, constrain
 from kiln.engine.output import Sampled
 from kiln.engine.sampler import Sampler, top_logprobs
 from kiln.engine.scheduler import ScheduledChunk
 from kiln.engine.sequence import Request
 from kiln.engine.speculative import verify
+from kiln.engine.transfers import to_device
 from kiln.platform import Platform
 
 logger = logging.getLogger(__name__)
@@ -28,6 +32,7 @@ logger = logging.getLogger(__name__)
 class StepSampler:
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler
+        self.batch = BatchSampler(sampler)  # plain rows on a device
 
     def sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[list[Sampled] | Exception]:
         """Each sampling chunk's tokens: one sampled from its row, or a draft's verified prefix plus one.
@@ -37,7 +42,9 @@ class StepSampler:
         results: list[list[Sampled] | Exception] = [[] for _ in chunks]
         if plain:
             # Every row a plain chunk's (no drafts in the step): the logits as they are, no 1 MB-per-row copy.
-            rows = logits if len(plain) == len(logits) else logits[[starts[i] for i in plain]]
+            rows = logits
+            if len(plain) < len(logits):
+                rows = logits[to_device(torch.tensor([starts[i] for i in plain]), logits.device)]
             sampled = self._sample_plain(rows, [chunks[i].request for i in plain])
             for i, result in zip(plain, sampled, strict=True):
                 results[i] = result if isinstance(result, Exception) else [result]
@@ -50,6 +57,13 @@ class StepSampler:
                     results[i] = error
         return results
 
+    def launch(self, requests: list[Request], logits: torch.Tensor) -> DeviceSample:
+        """One token per request from its row of `logits`, picked where they are and not read back
+        (kiln/engine/run_ahead.py): for requests with neither a grammar nor penalties, whose rows need nothing
+        of the host's but their logit bias."""
+        shaped = constrain(logits, [None] * len(requests), [r.params.logit_bias for r in requests])
+        return self.batch.launch(shaped, [r.params for r in requests], [r.request_id for r in requests])
+
     def _verify(self, chunk: ScheduledChunk, rows: torch.Tensor) -> list[Sampled]:
         request, params = chunk.request, chunk.request.params
         shaped = constrain(rows, [None] * len(rows), [params.logit_bias] * len(rows))
@@ -61,7 +75,7 @@ class StepSampler:
             rows = mask_draft_rows(request.matcher, rows, chunk.draft)
         tokens = verify(rows, chunk.draft, params, self.sampler, request.request_id)
         rows = rows[: len(tokens)]
-        logprobs = torch.log_softmax(rows, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist() if params.logprobs else None
+        logprobs = torch.log_softmax(rows, dim=-1).gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0].tolist() if params.logprobs else None
         tops = top_logprobs(rows, [params.top_logprobs] * len(tokens))
         return [(token, logprobs[i] if logprobs else None, tops[i]) for i, token in enumerate(tokens)]
 
@@ -86,6 +100,8 @@ class StepSampler:
             shaped = writable(shaped, logits)
             penalise_rows(shaped, requests)
         logits = shaped
+        if not Platform.of(logits.device).on_host:
+            return self.batch.sample(logits, [r.params for r in requests], [r.request_id for r in requests])
         token_ids, logprobs = self.sampler.sample(logits, [r.params for r in requests], [r.request_id for r in requests])
         tops = top_logprobs(logits, [r.params.top_logprobs for r in requests])
         return [(token, logprobs[row] if logprobs and request.params.logprobs else None, tops[row])

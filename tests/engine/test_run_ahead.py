@@ -121,3 +121,41 @@ def test_a_request_arriving_mid_run_is_admitted_and_sampling_requests_stay_synch
 
 def _stream(llm) -> GenerationStream:
     return GenerationStream(llm.engine.cancel)
+
+
+def test_greedy_rows_with_logprobs_and_a_logit_bias_run_ahead_with_the_same_results(tiny_llm, launches) -> None:
+    sync, ahead = engines(tiny_llm)
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=True, top_logprobs=3, logit_bias={5: 4.0, 7: -100.0})
+    expected = [sync.start(p, params, _stream(sync)).result() for p in PROMPTS[:2]]
+    got = [ahead.start(p, params, _stream(ahead)).result() for p in PROMPTS[:2]]
+    for mine, theirs in zip(got, expected, strict=True):
+        assert mine.token_ids == theirs.token_ids and 7 not in mine.token_ids
+        assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-6)
+        assert [[t for t, _ in top] for top in mine.top_logprobs] == [[t for t, _ in top] for top in theirs.top_logprobs]
+    assert launches
+
+
+class _Device:
+    """What the step sampler asks of a GPU's platform."""
+
+    on_host = False
+
+    @staticmethod
+    def of(device: object) -> type[_Device]:
+        return _Device
+
+
+def test_where_the_device_samples_seeded_sampling_runs_ahead_and_draws_what_the_synchronous_engine_does(
+    tiny_llm, launches, monkeypatch
+) -> None:
+    """A GPU's steps sample on the device (BatchSampler), synchronous or ahead; simulated on the CPU by telling
+    the step sampler and the engine the logits are not on the host."""
+    monkeypatch.setattr("kiln.engine.step_sampler.Platform", _Device)
+    sync, ahead = engines(tiny_llm)
+    ahead.engine._on_host = False
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
+    expected = sync.generate(PROMPTS, params)
+    assert not launches
+    got = ahead.generate(PROMPTS, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    assert launches and max(launches) == 3
