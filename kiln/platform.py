@@ -15,6 +15,7 @@ from functools import cache
 import torch
 
 from kiln.kernels import supported as kernels_supported
+from kiln.kernels import triton_attention
 from kiln.kernels import unavailable_reason as kernels_unavailable_reason
 from kiln.kernels.page_format import KERNEL_DTYPES
 
@@ -50,6 +51,12 @@ class Platform:
     def default_dtype(self) -> str:
         """What EngineConfig's dtype "auto" resolves to: bfloat16 on a GPU, float32 on the CPU (the kernels' dtype)."""
         return "float32" if self.on_host else "bfloat16"
+
+    @property
+    def paged_attention(self) -> bool:
+        """Whether steps of few rows per sequence attend with the Triton kernel over the pages where they lie
+        (kiln/kernels/triton_attention.py): a CUDA device where Triton runs."""
+        return self.device.type == "cuda" and triton_attention.available()
 
     @property
     def captures_graphs(self) -> bool:

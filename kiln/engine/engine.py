@@ -177,6 +177,11 @@ class Engine:
         if model_config.moe is not None:
             logger.info("decode graphs off: a mixture-of-experts model's routing reads device values on the host")
             return None
+        if not (self._runner.kernel_attention or self._runner.paged_kernel):
+            # Gathering would copy every sequence's pages up to max_model_len each step: graphs need a paged kernel.
+            logger.warning("decode graphs off: no kernel attends over pages in place here (Triton on a GPU, "
+                           "Kiln's C++ kernels on a CPU)")
+            return None
         return self._runner.use_decode_graphs(config.max_num_seqs, self.max_model_len, self._cache.reserve_page(),
                                               capture=config.platform.captures_graphs)
 

@@ -15,6 +15,7 @@ from kiln.kv.step import KVSlice, KVStep, Workspace
 from kiln.kv.storage import PageStorage
 from kiln.kv.tiers import PageTiers
 from kiln.models.attention import AttentionBatch
+from kiln.platform import Platform
 
 
 @dataclass
@@ -53,6 +54,8 @@ class ModelRunner:
         # Steps of few rows per sequence (decode, verification; see AttentionBatch) attend with the in-place
         # kernel where it runs: float32, float16 or int8 / int4 coded pages on an AVX2 CPU.
         self.kernel_attention = storage.kernel_pages
+        # The same steps on a GPU attend with the Triton kernel over the pages in place.
+        self.paged_kernel = Platform.of(storage.device).paged_attention
         if self.kernel_attention or batch_invariant:
             kernels()  # built (or loaded) now, not inside the first request
         self.storage = storage
@@ -70,7 +73,7 @@ class ModelRunner:
 
     def attention(self, lengths: list[int], kv: KVStep) -> AttentionBatch:
         """How a step of sequences with `lengths` new tokens over `kv` attends (AttentionBatch.for_lengths)."""
-        return AttentionBatch.for_lengths(lengths, kv, self.batch_invariant, self.kernel_attention)
+        return AttentionBatch.for_lengths(lengths, kv, self.batch_invariant, self.kernel_attention, self.paged_kernel)
 
     def prepare(self, chunks: list[Chunk]) -> StepInputs:
         """Everything the forward needs, read from the sequences' page tables (call under the engine

@@ -6,11 +6,13 @@ and attends over the keys and values each sequence may see (causality, the slidi
 encoded by the KVStep's positions). Models never allocate pages or know how they are laid out.
 
 How a step's layers attend is chosen once per step (AttentionBatch.for_lengths), from what the step's device
-can do (the runner's `kernel_attention`, kiln/platform.py) and the step's shape, and is an AttentionBackend:
-`InPlaceAttention`, the C++ kernel over the pages where they lie (CPU); `GatheredAttention`, PyTorch matrix
-products over the pages gathered into contiguous buffers (the reference, and every other device's path). For
-a layer that some `restore` sequence streams, each backend has its streamed counterpart
-(kiln/models/streamed_attention.py). A new device's attention (a GPU kernel) is another backend.
+can do (the runner's `kernel_attention` and `paged_kernel`, kiln/platform.py) and the step's shape, and is an
+AttentionBackend: `InPlaceAttention`, the C++ kernel over the pages where they lie (CPU); `TritonAttention`,
+the Triton kernel over the pages where they lie (a GPU, kiln/kernels/triton_attention.py);
+`GatheredAttention`, PyTorch matrix products over the pages gathered into contiguous buffers (the reference,
+long steps, and every other device's path). For a layer that some `restore` sequence streams, each backend
+has its streamed counterpart (kiln/models/streamed_attention.py). A new device's attention is another
+backend.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 
 from kiln.kernels import kernels
 from kiln.kernels.page_format import CHUNK_TOKENS
+from kiln.kernels.triton_attention import paged_attention
 from kiln.kv.step import KVStep
 from kiln.models.streamed_attention import streamed_attention, tiered_attention
 
@@ -126,6 +129,24 @@ class GatheredAttention(AttentionBackend):
         return out[0] if self.query_valid is None else out[self.query_valid]
 
 
+class TritonAttention(AttentionBackend):
+    """The Triton kernel (kernels/triton_attention.py) over the pages where they lie, dequantising coded pages
+    as it loads them: no gathered copy, no mask, and no read back on the host, so a step can be captured in a
+    CUDA graph. In steps where no sequence has more than IN_PLACE_MAX_ROWS rows (decode, speculative
+    verification, short appends): each query row reads its sequence's pages on its own, which longer
+    prefill chunks would repeat once per row. Layers that stream a tier's pages take PyTorch's streamed path,
+    as GatheredAttention's do."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+        kv = self.kv
+        kv.write(layer, k, v)
+        if kv.streams(layer):  # a `restore` sequence's global layer: chunk by chunk, merged
+            return streamed_attention(q, layer, kv, scale)
+        k_pages, v_pages, group, window = kv.pages(layer)
+        return paged_attention(q, k_pages, v_pages, group.block_table, group.first_pos, group.page_counts,
+                               kv.row_seq, kv.row_pos, window or 0, scale)
+
+
 @dataclass
 class AttentionBatch:
     """Everything attention needs for one forward step: its KVStep (where the layers' K/V go and come from)
@@ -135,9 +156,17 @@ class AttentionBatch:
     backend: AttentionBackend
 
     @classmethod
-    def for_lengths(cls, lengths: list[int], kv: KVStep, batch_invariant: bool = False, kernel_attention: bool = False) -> AttentionBatch:
-        if batch_invariant or (kernel_attention and max(lengths) <= IN_PLACE_MAX_ROWS):
+    def for_lengths(
+        cls, lengths: list[int], kv: KVStep, batch_invariant: bool = False, kernel_attention: bool = False,
+        paged_kernel: bool = False,
+    ) -> AttentionBatch:
+        """`kernel_attention`: the C++ kernels attend over this device's pages (a CPU); `paged_kernel`: the
+        Triton kernel does (a GPU). Either takes the steps of few rows per sequence; the rest gather."""
+        short = max(lengths) <= IN_PLACE_MAX_ROWS
+        if batch_invariant or (kernel_attention and short):
             return cls(kv, InPlaceAttention(kv))
+        if paged_kernel and short:
+            return cls(kv, TritonAttention(kv))
         return cls(kv, GatheredAttention.for_lengths(lengths, kv))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
