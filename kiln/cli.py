@@ -84,8 +84,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seqs-per-caller", type=int, default=None,
                         help="most of those one caller (an API key; without keys, a connection) holds at once "
                         "(default: all while no other caller waits, a fair share when one does)")
-    parser.add_argument("--max-batched-tokens", type=int, default=None, help=f"tokens in one step (default {_ENGINE_DEFAULTS['max_batched_tokens']})")
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=None, help=f"most tokens of one prompt per step (default {_ENGINE_DEFAULTS['prefill_chunk_tokens']})")
+    parser.add_argument("--max-batched-tokens", type=int, default=None, help="tokens in one step (default 1024 on the CPU, 8192 on a GPU)")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=None, help="most tokens of one prompt per step (default 256 on the CPU, 2048 on a GPU)")
     parser.add_argument("--max-model-len", type=int, default=None, help="longest history, tokens (default: the model's context length)")
     parser.add_argument("--max-sessions", type=int, default=None, help=f"live sessions before LRU eviction (default {_ENGINE_DEFAULTS['max_sessions']})")
     parser.add_argument("--session-ttl-s", type=float, default=None, help=f"idle seconds before a session is evicted (default {_ENGINE_DEFAULTS['session_ttl_s']:g})")

@@ -63,11 +63,14 @@ class EngineConfig:
     # even alone. None: every free slot, given back down to a fair share when another caller waits
     # (kiln/engine/scheduler.py § Fair shares).
     max_seqs_per_caller: int | None = None
-    max_batched_tokens: int = 1024  # tokens in one step (decode rows count 1)
+    # Tokens in one step (decode rows count 1). None: the platform's (Platform.step_tokens: 1,024 on the CPU, 8,192
+    # on a GPU, whose prefill is bound by launches and reading weights until steps are thousands of tokens long).
+    max_batched_tokens: int | None = None
     # Most tokens of one prompt a step computes. Longer prompts are prefilled in chunks, so steps stay
     # short and a request arriving meanwhile gets its first token within about two steps, at a small cost
-    # to a long prompt alone (bench/prefill_fairness.py compares chunk sizes).
-    prefill_chunk_tokens: int = 256
+    # to a long prompt alone (bench/prefill_fairness.py compares chunk sizes). None: the platform's (256 on the
+    # CPU, 2,048 on a GPU).
+    prefill_chunk_tokens: int | None = None
     # Which K/V of global-attention layers stays resident (kiln/kv/policy.py; overridable per session):
     # "full" keeps all (exact, grows with history); "sink_window" keeps the first kv_sink_tokens and the
     # last kv_window_tokens and drops the rest (bounded, approximate); "restore" keeps the same resident
@@ -118,6 +121,16 @@ class EngineConfig:
                             f"got {cap!r}")
         if self.lease_ttl_s is not None and not 0 < self.lease_ttl_s < 3600:
             problems.append(f"lease_ttl_s must be between 0 and 3600 seconds, got {self.lease_ttl_s}")
+        try:
+            platform = Platform.of(self.device)
+        except (RuntimeError, TypeError) as error:  # torch.device's refusal of a malformed name
+            problems.append(f"device must name a torch device ('cpu', 'cuda:0'), got {self.device!r}: {error}")
+            platform = Platform.of("cpu")  # for the checks below; the config is refused anyway
+        batched, chunk = platform.step_tokens
+        if self.max_batched_tokens is None:
+            object.__setattr__(self, "max_batched_tokens", batched)
+        if self.prefill_chunk_tokens is None:
+            object.__setattr__(self, "prefill_chunk_tokens", chunk)
         for name in ("kv_budget_bytes", "max_num_seqs", "max_batched_tokens", "prefill_chunk_tokens", "max_sessions"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive")
@@ -128,11 +141,6 @@ class EngineConfig:
             problems.append(f"dtype must be one of {sorted(DTYPES)} or 'auto', got {self.dtype!r}")
         if self.kv_dtype not in (None, "auto", *DTYPES):
             problems.append(f"kv_dtype must be one of {sorted(DTYPES)}, 'auto' or None, got {self.kv_dtype!r}")
-        try:
-            platform = Platform.of(self.device)
-        except (RuntimeError, TypeError) as error:  # torch.device's refusal of a malformed name
-            problems.append(f"device must name a torch device ('cpu', 'cuda:0'), got {self.device!r}: {error}")
-            platform = Platform.of("cpu")  # for the checks below; the config is refused anyway
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", platform.default_dtype)
         dtype = DTYPES.get(self.dtype, torch.float32)

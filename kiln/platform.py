@@ -53,6 +53,13 @@ class Platform:
         return "float32" if self.on_host else "bfloat16"
 
     @property
+    def step_tokens(self) -> tuple[int, int]:
+        """What EngineConfig's max_batched_tokens and prefill_chunk_tokens default to: short steps on the CPU (a
+        request arriving during a long prefill waits about two of them), long ones on a GPU, where a step of a
+        few hundred tokens is bound by kernel launches and reading the weights, not by its arithmetic."""
+        return (1024, 256) if self.on_host else (8192, 2048)
+
+    @property
     def paged_attention(self) -> bool:
         """Whether steps of few rows per sequence attend with the Triton kernel over the pages where they lie
         (kiln/kernels/triton_attention.py): a CUDA device where Triton runs."""
