@@ -106,6 +106,10 @@ class KilnSystem:
         config.pop("model")
         return {"engine_config": config, "kv_bytes_per_token": self.llm.engine.kv_bytes_per_token,
                 "weight_bytes_per_token": common.weight_bytes_per_token(self.llm.engine.model),
+                # How many decode steps replayed a captured graph, and how many of those ran ahead.
+                "steps": self.llm.engine.stats.steps, "static_decode_steps": self.llm.engine.stats.static_decode_steps,
+                "ahead_steps": self.llm.engine.stats.ahead_steps,
+                "graphs_capture_s": None if self.llm.engine.decode_graphs is None else self.llm.engine.decode_graphs.capture_s,
                 # On a GPU nothing should have built or loaded the CPU kernels (kiln/kernels).
                 "cpu_kernels_loaded": kiln.kernels._library._outcome is not None}
 

@@ -646,6 +646,8 @@ class Engine:
                 for c in chunks:
                     c.request.seq.num_computed = self._cache.drop(c.request.seq.table, c.request.seq.num_computed)
             return None
+        self.stats.static_decode_steps += 1
+        self.stats.ahead_steps += 1
         return LaunchedDecode(chunks, self._step_sampler.launch([c.request for c in chunks], logits))  # type: ignore[arg-type]
 
     def _schedule(self) -> tuple[list[ScheduledChunk], StepInputs | None, list[Finished]]:
@@ -673,6 +675,7 @@ class Engine:
             self._outputs.deliver(ended)
             return None
         self.stats.note_step_attention(inputs.attention.kv.peak_bytes)
+        self.stats.static_decode_steps += inputs.decode is not None
         with self._lock:
             self._commit(chunks)
             if self._stored is not None:

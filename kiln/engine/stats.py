@@ -19,6 +19,8 @@ class EngineStats:
     prefix_fetches: Counter[str] = field(default_factory=Counter)
     generated_tokens: int = 0
     steps: int = 0
+    static_decode_steps: int = 0  # of those, decode steps over decode graphs' buffers (replayed graphs on a GPU)
+    ahead_steps: int = 0  # of those, decode steps launched ahead of their predecessor's tokens (async scheduling)
     preemptions: int = 0  # running requests requeued for KV pages
     fair_share_preemptions: int = 0  # running requests requeued for a caller under its share of the slots
     spec_verify_steps: int = 0  # decode rows that carried a speculative draft

@@ -90,6 +90,10 @@ class _EngineState(Collector):
                                   value=stats.spec_proposed_tokens)
         yield CounterMetricFamily("kiln_spec_accepted_tokens", "Draft tokens accepted", value=stats.spec_accepted_tokens)
         yield CounterMetricFamily("kiln_spec_verify_steps", "Decode rows that carried a draft", value=stats.spec_verify_steps)
+        yield CounterMetricFamily("kiln_static_decode_steps", "Decode steps over decode graphs' static buffers (replayed "
+                                  "CUDA graphs on a GPU)", value=stats.static_decode_steps)
+        yield CounterMetricFamily("kiln_ahead_steps", "Decode steps launched before the previous step's tokens reached "
+                                  "the host (async scheduling)", value=stats.ahead_steps)
         yield _labelled_counter("kiln_cache_invariant_violations", "Cache invariant violations by kind", "kind",
                                 violations, ("inv1", "inv2"))
         yield CounterMetricFamily("kiln_kv_tier_failed_disk_writes", "Evicted pages the disk tier could not take "

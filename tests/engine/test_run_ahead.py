@@ -67,6 +67,9 @@ def test_greedy_generation_runs_ahead_and_gives_the_synchronous_tokens(tiny_llm,
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert [r.finish_reason for r in got] == ["length"] * 3
     assert launches and max(launches) == 3
+    stats = ahead.engine.stats
+    assert stats.ahead_steps == len(launches) and stats.static_decode_steps > stats.ahead_steps
+    assert sync.engine.stats.ahead_steps == 0 and sync.engine.stats.static_decode_steps > 0
 
 
 def test_a_stop_token_or_string_mid_run_rolls_the_row_launched_ahead_back(tiny_llm, launches) -> None:
