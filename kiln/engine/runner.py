@@ -54,8 +54,10 @@ class ModelRunner:
         # Steps of few rows per sequence (decode, verification; see AttentionBatch) attend with the in-place
         # kernel where it runs: float32, float16 or int8 / int4 coded pages on an AVX2 CPU.
         self.kernel_attention = storage.kernel_pages
-        # The same steps on a GPU attend with the Triton kernel over the pages in place.
+        # The same steps on a GPU attend with the Triton kernel over the pages in place; a fresh prompt's causally
+        # over its own keys (SDPA's flash kernel there).
         self.paged_kernel = Platform.of(storage.device).paged_attention
+        self.flash_prompt = not Platform.of(storage.device).on_host
         if self.kernel_attention or batch_invariant:
             kernels()  # built (or loaded) now, not inside the first request
         self.storage = storage
@@ -73,7 +75,8 @@ class ModelRunner:
 
     def attention(self, lengths: list[int], kv: KVStep) -> AttentionBatch:
         """How a step of sequences with `lengths` new tokens over `kv` attends (AttentionBatch.for_lengths)."""
-        return AttentionBatch.for_lengths(lengths, kv, self.batch_invariant, self.kernel_attention, self.paged_kernel)
+        return AttentionBatch.for_lengths(lengths, kv, self.batch_invariant, self.kernel_attention, self.paged_kernel,
+                                          self.flash_prompt)
 
     def prepare(self, chunks: list[Chunk]) -> StepInputs:
         """Everything the forward needs, read from the sequences' page tables (call under the engine

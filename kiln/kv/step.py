@@ -229,6 +229,14 @@ class KVStep:
         return [TierRun(_row([tiered[n][0] * ps for n in run]), [places[n] for n in run],
                         _row([places[n][1] for n in run]) if host else None) for run, host in runs]
 
+    def fresh_prompt(self) -> bool:
+        """One sequence's first tokens, stored raw: each layer's pages then hold exactly the step's new K/V."""
+        return len(self.slices) == 1 and self.slices[0].start == 0 and not self._streamed_groups and \
+            self.storage.codec.name == "none"
+
+    def window(self, layer: int) -> int | None:
+        return self.layout.groups[self.layer_slots[layer][0]].window
+
     def streams(self, layer: int) -> bool:
         return self.layer_slots[layer][0] in self._streamed_groups
 

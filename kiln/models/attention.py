@@ -89,17 +89,25 @@ class GatheredAttention(AttentionBackend):
     query_index: [B, Q] long, row of each (sequence, query) in the flattened tokens; padding repeats a valid
                  row of the same sequence. None when B == 1 (no padding needed).
     query_valid: [B, Q] bool, False on padding.
+    prompt:      the step is one sequence's first tokens (KVStep.fresh_prompt): a layer whose window they fit
+                 attends over its own new keys and values, causally, with no gather and no mask, which lets a
+                 GPU's SDPA take its flash kernel (the pages hold exactly those values).
     """
 
-    def __init__(self, kv: KVStep, query_index: torch.Tensor | None = None, query_valid: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, kv: KVStep, query_index: torch.Tensor | None = None, query_valid: torch.Tensor | None = None,
+        prompt: bool = False,
+    ) -> None:
         super().__init__(kv)
         self.query_index = query_index
         self.query_valid = query_valid
+        self.prompt = prompt
 
     @classmethod
-    def for_lengths(cls, lengths: list[int], kv: KVStep) -> GatheredAttention:
+    def for_lengths(cls, lengths: list[int], kv: KVStep, flash_prompt: bool = False) -> GatheredAttention:
+        """`flash_prompt`: a fresh prompt's layers attend causally over their own keys (a GPU's flash kernel)."""
         if len(lengths) == 1:
-            return cls(kv)
+            return cls(kv, prompt=flash_prompt and kv.fresh_prompt())
         device = kv.storage.device
         counts = torch.tensor(lengths, device=device)
         starts = torch.cumsum(counts, 0) - counts
@@ -112,6 +120,11 @@ class GatheredAttention(AttentionBackend):
         kv.write(layer, k, v)
         if kv.streams(layer):  # a `restore` sequence's global layer: chunk by chunk, merged
             return streamed_attention(q, layer, kv, scale)
+        if self.prompt and k.dtype == kv.storage.read_dtype and (kv.window(layer) or len(q)) >= len(q):
+            return F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=scale,
+                enable_gqa=True,
+            )[0].transpose(0, 1)
         keys, values, mask = kv.read(layer)
         scores = mask.numel() * q.shape[1]  # [B, heads, Q, L]: scores, then weights
         kv.note_bytes(2 * keys.numel() * keys.element_size() + mask.numel() + 2 * scores * q.element_size())
@@ -158,16 +171,17 @@ class AttentionBatch:
     @classmethod
     def for_lengths(
         cls, lengths: list[int], kv: KVStep, batch_invariant: bool = False, kernel_attention: bool = False,
-        paged_kernel: bool = False,
+        paged_kernel: bool = False, flash_prompt: bool = False,
     ) -> AttentionBatch:
         """`kernel_attention`: the C++ kernels attend over this device's pages (a CPU); `paged_kernel`: the
-        Triton kernel does (a GPU). Either takes the steps of few rows per sequence; the rest gather."""
+        Triton kernel does (a GPU). Either takes the steps of few rows per sequence; the rest gather, a fresh
+        prompt's step with `flash_prompt` causally over its own keys (GatheredAttention)."""
         short = max(lengths) <= IN_PLACE_MAX_ROWS
         if batch_invariant or (kernel_attention and short):
             return cls(kv, InPlaceAttention(kv))
         if paged_kernel and short:
             return cls(kv, TritonAttention(kv))
-        return cls(kv, GatheredAttention.for_lengths(lengths, kv))
+        return cls(kv, GatheredAttention.for_lengths(lengths, kv, flash_prompt))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
         """The step's backend's attention of one layer (AttentionBackend.attend)."""

@@ -4,6 +4,7 @@ the step's shape, and the two backends computing the same attention."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kiln.kernels import supported
 from kiln.models.attention import IN_PLACE_MAX_ROWS, AttentionBatch, GatheredAttention, InPlaceAttention
@@ -36,3 +37,33 @@ def test_both_backends_attend_alike(arch: str) -> None:
     for seq in tokens:
         diff = (outputs[0][seq] - outputs[1][seq]).abs().max().item()
         assert diff <= ATOL, f"sequence {seq}: {diff:.3g}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # full layers; sliding ones a long prompt outgrows
+def test_a_fresh_prompt_attends_causally_over_its_own_keys_as_over_its_pages(arch: str, monkeypatch) -> None:
+    """A GPU's prefill of a new prompt (flash_prompt): SDPA's causal attention over the layer's new keys, no
+    gather and no mask, gives the gathered path's logits; layers whose window the prompt outgrows, later chunks
+    and coded pages keep the gathered path."""
+    config = TINY_CONFIGS[arch]
+    pair = make_pair(config, fused=False)
+    causal = []
+    original = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *args, **kw: causal.append(kw.get("is_causal", False)) or original(*args, **kw))
+    tokens = {0: random_tokens(40, seed=3)}
+    steps = [{0: 30}, {0: 10}]
+    outputs = []
+    for flash in (True, False):
+        paged = PoisonedCache(pair.ours, pair.config, 4, 60)
+        paged.runner.kernel_attention = False
+        paged.runner.flash_prompt = flash
+        outputs.append(run(paged, tokens, steps)[0])
+    assert (outputs[0] - outputs[1]).abs().max().item() <= ATOL
+    windows = [config.window_of(layer) for layer in range(config.num_layers)]
+    fits = sum(window is None or window >= 30 for window in windows)
+    assert causal.count(True) == fits  # the first chunk's layers that it fits; none of the second chunk's
+    causal.clear()
+    paged = PoisonedCache(pair.ours, pair.config, 4, 60, codec="int8")
+    paged.runner.kernel_attention, paged.runner.flash_prompt = False, True
+    run(paged, tokens, steps)
+    assert True not in causal
