@@ -201,3 +201,27 @@ def test_the_device_is_read_once_per_step(monkeypatch):
     results = StepSampler(Sampler()).sample([ScheduledChunk(r, 1) for r in requests], logits)
     assert not any(isinstance(result, Exception) for result in results), results
     assert calls == [torch.Size([len(params), 1 + 1 + 2 * 3])]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu.py runs these there)")
+def test_a_step_on_a_gpu_issues_no_synchronising_copy_but_its_one_read():
+    """On a GPU every feature but the final read queues behind the device's work: CUDA's sync debug mode raises
+    on a synchronising call (a blocking copy, .item()), and the one read waits on an event, which it allows."""
+    params = [SamplingParams(), SamplingParams(temperature=0.9, seed=4, logprobs=True),
+              SamplingParams(temperature=1.0, top_k=4, top_p=0.7, min_p=0.1, top_logprobs=3),
+              SamplingParams(temperature=0.7, logit_bias=((11, 100.0),)),
+              SamplingParams(temperature=1.0, repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=0.5)]
+    requests = [request(p, generated=(7, 7)) for p in params]
+    requests[1].matcher = AllowOnly([3, 40])  # type: ignore[assignment]
+    logits = random_logits(len(params), seed=8).cuda()
+    sampler = StepSampler(Sampler())
+    sampler.sample([ScheduledChunk(r, 1) for r in requests], logits)  # first use: generators, penalty counts
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        results = sampler.sample([ScheduledChunk(r, 1) for r in requests], logits)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not any(isinstance(result, Exception) for result in results), results
+    assert results[1][0][0] in (3, 40) and results[3][0][0] == 11
