@@ -78,7 +78,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="launch the next greedy decode step before this one's tokens reach the host "
                         "(needs decode graphs; default: on where they are captured)")
     parser.add_argument("--speculative", choices=[*SPECULATIVE_METHODS, "none"], default=None,
-                        help="speculative decoding from the session's history (default ngram); none turns it off")
+                        help="speculative decoding from the session's history (default: ngram on the CPU, none on a GPU)")
     parser.add_argument("--num-speculative-tokens", type=int, default=None, help=f"most draft tokens verified per step (default {_ENGINE_DEFAULTS['num_speculative_tokens']})")
     parser.add_argument("--max-num-seqs", type=int, default=None, help=f"requests batched in one step (default {_ENGINE_DEFAULTS['max_num_seqs']})")
     parser.add_argument("--max-seqs-per-caller", type=int, default=None,

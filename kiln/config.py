@@ -42,7 +42,9 @@ class EngineConfig:
     # Speculative decoding from the sequence's own history (kiln/engine/speculative.py): "ngram" drafts
     # up to num_speculative_tokens tokens by prompt lookup and verifies them in one forward; greedy output
     # is unchanged and sampling keeps its distribution. None turns it off.
-    speculative: str | None = "ngram"
+    # "auto": "ngram" on the CPU; off on a GPU, where a step carrying a draft runs eagerly, outside the decode
+    # graphs and async scheduling, and costs more than the tokens it saves there.
+    speculative: str | None = "auto"
     num_speculative_tokens: int = 4
     # KV pages' dtype. None: the same as dtype. "auto": float16 where the weights are quantised on the CPU (the
     # kernels read it in place at half float32's bytes, and decode attention is bound by reading them; llama.cpp
@@ -168,6 +170,8 @@ class EngineConfig:
             problems.append(f"deterministic must be a boolean, got {self.deterministic!r}")
         elif self.deterministic and (problem := platform.deterministic_problem(dtype, DTYPES.get(self.kv_dtype or self.dtype, dtype))):
             problems.append(problem)
+        if self.speculative == "auto":
+            object.__setattr__(self, "speculative", platform.default_speculative)
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
             problems.append(f"speculative must be one of {list(SPECULATIVE_METHODS)} or None, got {self.speculative!r}")
         tokens = self.num_speculative_tokens

@@ -53,6 +53,12 @@ class Platform:
         return "float32" if self.on_host else "bfloat16"
 
     @property
+    def default_speculative(self) -> str | None:
+        """What EngineConfig's speculative "auto" resolves to: n-gram drafts on the CPU, none on a GPU (a step
+        verifying a draft is eager there, outside the decode graphs)."""
+        return "ngram" if self.on_host else None
+
+    @property
     def step_tokens(self) -> tuple[int, int]:
         """What EngineConfig's max_batched_tokens and prefill_chunk_tokens default to: short steps on the CPU (a
         request arriving during a long prefill waits about two of them), long ones on a GPU, where a step of a
