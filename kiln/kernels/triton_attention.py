@@ -13,17 +13,25 @@ lists its sink pages, then its recent ones); slot s of listed page i holds posit
 visible iff it is <= p and, for window > 0, > p - window. GQA: query head h reads KV head h // (heads //
 kv_heads).
 
-One program per (query row, KV head): the KV head's query heads are one tile (padded to 16 rows for
-tl.dot), so each key and value is read once for all of them; pages are visited one at a time with an online
-softmax in float32. Scores and weighted values are matrix products in the query's dtype, with keys and
-values decoded to float32 and cast to it, as GatheredAttention computes them (float32: IEEE products, not
-TF32). The loop bound is read from page_counts on the device and the output's size is the query's, so a
-launch reads nothing back on the host and can be captured in a CUDA graph.
+One program per (query row, KV head, split): the KV head's query heads are one tile (padded to 16 rows for
+tl.dot), so each key and value is read once for all of them; a split's pages, a contiguous run of the row's
+listed ones, are visited one at a time with an online softmax in float32. Scores and weighted values are
+matrix products in the query's dtype, with keys and values decoded to float32 and cast to it, as
+GatheredAttention computes them (float32: IEEE products, not TF32).
+
+Why split ("flash-decoding"): a decode step has few (row, KV head) pairs (Gemma 3 270M at batch 1: one), and
+one program walking a long context's pages is one SM's bandwidth. Where the pairs alone do not fill the GPU,
+the listed pages are cut into splits (at least MIN_PAGES_PER_SPLIT each, up to TARGET_PROGRAMS programs in
+all), each writing its running max, sum and unnormalised values to a float32 workspace that a second kernel
+merges (log-sum-exp rescaling) into the output; with one split the first kernel writes the output itself.
+The split count and length come from shapes only (the block table's width, not the page counts), the loop
+bounds are read from page_counts on the device, and the workspace's and output's sizes are the query's and
+the table's, so a launch reads nothing back on the host and can be captured in a CUDA graph.
 
 Triton is optional (a GPU install has it with torch; a CPU install need not): without it this module still
 imports and `available()` says False. Triton's interpreter (TRITON_INTERPRET=1: kernels run on CPU tensors,
 for tests) is a mode of the whole process, fixed when Triton is imported: its own library functions
-(tl.zeros, tl.max) are decorated then, as this kernel is when this module is imported.
+(tl.zeros, tl.max) are decorated then, as these kernels are when this module is imported.
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ except ImportError:  # a CPU install without Triton: the module imports, availab
     _jit = lambda fn: fn  # noqa: E731
 
 MIN_DOT = 16  # the tile side tl.dot takes on every backend and release: query-head groups and pages pad to it
+TARGET_PROGRAMS = 2 * 132  # programs that fill an H100/H200 (132 SMs) twice over: splits stop there
+MIN_PAGES_PER_SPLIT = 4  # below it a split's fixed cost (its query, its partial) outweighs its pages
+MERGE_TILE = 32  # splits the merge reads at once: a few loads in flight, not one a split
 _BITS = {torch.int8: 8, torch.uint8: 4}  # codes' dtype -> bits (any other dtype: raw values, 0)
 
 
@@ -71,11 +82,12 @@ def available() -> bool:
 def paged_attention(
     query: torch.Tensor, k: PageSegment, v: PageSegment, block_table: torch.Tensor, first_pos: torch.Tensor,
     page_counts: torch.Tensor, row_seq: torch.Tensor, row_pos: torch.Tensor, window: int, scale: float,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """query [N, heads, head_dim] (float32, float16 or bfloat16); k, v one layer's segments across the pool;
     block_table [B, P], first_pos [B, P] int64; page_counts [B] int32; row_seq, row_pos [N] int64; window 0
-    for none. Returns [N, heads, head_dim] in the query's dtype. Only shapes and strides are read on the
-    host."""
+    for none; splits of each row's listed pages (None: split_count's; tests force one). Returns [N, heads,
+    head_dim] in the query's dtype. Only shapes and strides are read on the host."""
     rows, heads, head_dim = query.shape
     page_size, kv_heads = k.codes.shape[1:3]
     group = heads // kv_heads
@@ -84,21 +96,41 @@ def paged_attention(
         return out
     if query.stride(2) != 1:
         query = query.contiguous()
+    width = block_table.shape[1]
+    splits = splits or split_count(rows, kv_heads, width)
+    per_split = max(1, -(-width // splits))
     k_parts, v_parts = _side(k), _side(v)
     scales = k.scales if k.scales is not None else v.scales
     channels = head_dim if scales is None else head_dim // scales.shape[-1]  # channels one scale covers
-    _attend[(rows, kv_heads)](
-        out, query, block_table, first_pos, page_counts, row_seq, row_pos, *k_parts[0], *v_parts[0],
-        out.stride(0), out.stride(1), query.stride(0), query.stride(1),
-        block_table.stride(0), first_pos.stride(0), *k_parts[1], *v_parts[1], window, scale,
-        GROUP=group, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, DIM_PAD=max(MIN_DOT, triton.next_power_of_2(head_dim)),
+    dims = {"HEAD_DIM": head_dim, "DIM_PAD": max(MIN_DOT, triton.next_power_of_2(head_dim))}
+    fusion = {"enable_fp_fusion": True}  # Triton's default, said so (3.9 warns where it is left unsaid)
+    stats = values = out  # one split: the kernel writes the output, and no partial
+    if splits > 1:  # per (row, query head): each split's running max, then each one's sum; each one's values
+        stats = torch.empty(rows, heads, 2, splits, dtype=torch.float32, device=query.device)
+        values = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=query.device)
+    _attend[(rows, kv_heads, splits)](
+        out, stats, values, query, block_table, first_pos, page_counts, row_seq, row_pos,
+        *k_parts[0], *v_parts[0], out.stride(0), out.stride(1), query.stride(0), query.stride(1),
+        block_table.stride(0), first_pos.stride(0), *k_parts[1], *v_parts[1], window, scale, per_split,
+        GROUP=group, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)), **dims,
         PAGE_SIZE=page_size, PAGE_PAD=max(MIN_DOT, triton.next_power_of_2(page_size)),
         K_BITS=_BITS.get(k.codes.dtype, 0), V_BITS=_BITS.get(v.codes.dtype, 0), CHANNELS=channels,
-        DOT=_dot_dtype(query.dtype),
-        enable_fp_fusion=True,  # Triton's default, said so (3.9 warns where it is left unsaid)
+        DOT=_dot_dtype(query.dtype), SPLIT=splits > 1, **fusion,
     )
+    if splits > 1:
+        _merge[(rows, heads)](out, stats, values, page_counts, row_seq, out.stride(0), out.stride(1), splits,
+                              per_split, **dims, SPLIT_PAD=min(MERGE_TILE, triton.next_power_of_2(splits)),
+                              **fusion)
     return out
+
+
+def split_count(rows: int, kv_heads: int, width: int) -> int:
+    """How many splits each row's `width` listed-page slots are cut into: enough that rows * kv_heads *
+    splits reaches TARGET_PROGRAMS, but none shorter than MIN_PAGES_PER_SPLIT pages (1: no split). From
+    shapes only: a captured step's table is as wide as its graph's, whatever its rows' page counts."""
+    wanted = -(-TARGET_PROGRAMS // (rows * kv_heads))
+    per_split = max(MIN_PAGES_PER_SPLIT, -(-width // wanted))
+    return max(1, -(-width // per_split))
 
 
 def _dot_dtype(dtype: torch.dtype) -> Any:
@@ -146,21 +178,25 @@ def _load_values(codes, scales, zeros, page, kv_head, slots, dims, inside, code_
 
 
 @_jit
-def _attend(out, query, block_table, first_pos, page_counts, row_seq, row_pos,
+def _attend(out, stats, values, query, block_table, first_pos, page_counts, row_seq, row_pos,
             k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros,
             out_row, out_head, query_row, query_head, table_row, first_row,
             kc_page, kc_slot, kc_head, ks_page, ks_slot, ks_head,
             vc_page, vc_slot, vc_head, vs_page, vs_slot, vs_head,
-            window, scale,
+            window, scale, per_split,
             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
             PAGE_SIZE: tl.constexpr, PAGE_PAD: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-            CHANNELS: tl.constexpr, DOT: tl.constexpr):
-    """A query row's query heads of one KV head over its sequence's listed pages (the module's docstring)."""
+            CHANNELS: tl.constexpr, DOT: tl.constexpr, SPLIT: tl.constexpr):
+    """A query row's query heads of one KV head over one split of its sequence's listed pages (the module's
+    docstring): the output itself, or with SPLIT the split's partial for _merge (none where the split owns
+    no page: _merge reads only the splits that do)."""
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(row_seq + row)
     pos = tl.load(row_pos + row)
-    count = tl.load(page_counts + seq)
+    start = split * per_split
+    end = tl.minimum(tl.load(page_counts + seq), start + per_split)
     members = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, DIM_PAD)
     slots = tl.arange(0, PAGE_PAD)
@@ -173,7 +209,7 @@ def _attend(out, query, block_table, first_pos, page_counts, row_seq, row_pos,
     top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     total = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for i in range(count):
+    for i in range(start, end):
         page = tl.load(block_table + seq * table_row + i)
         key_pos = tl.load(first_pos + seq * first_row + i) + slots
         seen = (slots < PAGE_SIZE) & (key_pos <= pos) & ((window == 0) | (key_pos > pos - window))
@@ -192,6 +228,48 @@ def _attend(out, query, block_table, first_pos, page_counts, row_seq, row_pos,
         weighted = tl.dot(weights.to(q.dtype).to(DOT), v.to(q.dtype).to(DOT), input_precision="ieee")
         acc = acc * rescale[:, None] + weighted
         top = new_top
-    result = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(out + row * out_row + heads[:, None] * out_head + dims[None, :], result.to(out.dtype.element_ty),
-             mask=q_inside)
+    if SPLIT:
+        splits = tl.num_programs(2)
+        at = row * tl.num_programs(1) * GROUP + heads  # the (row, query head) pairs' partials
+        owned = members < tl.where(start < end, GROUP, 0)  # (a bool & a scalar bool: int32 to the interpreter)
+        tl.store(stats + 2 * at * splits + split, top, mask=owned)
+        tl.store(stats + (2 * at + 1) * splits + split, total, mask=owned)
+        tl.store(values + (at * splits + split)[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=q_inside & owned[:, None])
+    else:
+        result = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+        tl.store(out + row * out_row + heads[:, None] * out_head + dims[None, :],
+                 result.to(out.dtype.element_ty), mask=q_inside)
+
+
+@_jit
+def _merge(out, stats, values, page_counts, row_seq, out_row, out_head, splits, per_split,
+           HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLIT_PAD: tl.constexpr):
+    """A query row's query head from its splits that own pages (_attend's partials, in log2 units),
+    SPLIT_PAD at a time: rescaled to their common max, summed and normalised. A head that saw nothing (every
+    max -inf, every sum 0) gives 0, as the unsplit kernel does."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    used = tl.cdiv(tl.load(page_counts + tl.load(row_seq + row)), per_split)
+    at = row * tl.num_programs(1) + head
+    tiles = tl.arange(0, SPLIT_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    tops = tl.full([SPLIT_PAD], float("-inf"), tl.float32)
+    for first in range(0, used, SPLIT_PAD):
+        live = first + tiles < used
+        tops = tl.maximum(tops, tl.load(stats + 2 * at * splits + first + tiles, mask=live, other=float("-inf")))
+    top = tl.max(tops, 0)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    totals = tl.zeros([SPLIT_PAD], tl.float32)
+    acc = tl.zeros([DIM_PAD], tl.float32)
+    for first in range(0, used, SPLIT_PAD):
+        split = first + tiles
+        live = split < used
+        weights = tl.exp2(tl.load(stats + 2 * at * splits + split, mask=live, other=float("-inf")) - shift)
+        totals += weights * tl.load(stats + (2 * at + 1) * splits + split, mask=live, other=0.0)
+        part = tl.load(values + (at * splits + split)[:, None] * HEAD_DIM + dims[None, :],
+                       mask=live[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+        acc += tl.sum(weights[:, None] * part, 0)
+    total = tl.sum(totals, 0)
+    result = acc / tl.where(total == 0.0, 1.0, total)
+    tl.store(out + row * out_row + head * out_head + dims, result.to(out.dtype.element_ty), mask=dims < HEAD_DIM)

@@ -1,13 +1,14 @@
 """The Triton paged-attention kernel (kiln/kernels/triton_attention.py) and the backend that calls it
 (kiln/models/attention.py TritonAttention): over raw float32, float16 and bfloat16 pages and int8 / int4 coded
 ones, sliding windows, query-head groups of 1 to 8, head dims 64 to 256, several sequences of several rows and
-a sink+window page list, it returns the attention a float64 reference computes over the same pages gathered
-by the KVStep; a tiny model decodes alike through it and through GatheredAttention.
+a sink+window page list, each row's pages in one split or several (some owning no page), and a long context,
+it returns the attention a float64 reference computes over the same pages gathered by the KVStep; a tiny model
+decodes alike through it and through GatheredAttention.
 
 On the CPU the kernel runs in Triton's interpreter, a mode of the whole process fixed when Triton is imported
 (TRITON_INTERPRET=1): test_under_the_interpreter runs this file's interpreter tests in a child process that
 asks for it, and the rest of the suite (this process) keeps Triton as it was. What the interpreter cannot
-check, compiling the kernel, is checked for an sm_90 target here (no GPU needed); the CUDA tests run the
+check, compiling the kernels, is checked for an sm_90 target here (no GPU needed); the CUDA tests run the
 compiled kernel, and capture it in a CUDA graph, where a GPU is.
 """
 
@@ -85,30 +86,34 @@ CASES = {
     "int8-float16-window": Case("int8", torch.float16, 4, 2, 64, window=10),
     "int4-gemma3-270m": Case("int4", torch.bfloat16, 4, 1, 256, window=9),  # 4 heads, 1 KV head, head_dim 256
 }
-# (first new position, rows, sink+window?): speculative verification rows crossing a page, a first token,
-# a decode row, and a decode row reading its first page and its last two only (a sink+window list).
-SEQUENCES = [(13, 3, False), (0, 1, False), (9, 1, False), (30, 1, True)]
+# (first new position, rows, recent pages listed: 0 for all, else the first page and the last `recent`):
+# speculative verification rows crossing a page, a first token, a decode row, and a decode row reading its
+# first page and its last two only (a sink+window list).
+Sequences = list[tuple[int, int, int]]
+SEQUENCES: Sequences = [(13, 3, 0), (0, 1, 0), (9, 1, 0), (30, 1, 2)]
+# A long context (4-token pages): a decode row over 200 pages of its 250, a sink page and its last 199.
+LONG_SEQUENCES: Sequences = [(999, 1, 199)]
 
 
-def page_indices(start: int, rows: int, sink: bool, page_size: int) -> list[int]:
+def page_indices(start: int, rows: int, recent: int, page_size: int) -> list[int]:
     last = (start + rows - 1) // page_size
-    return sorted({0, last - 1, last}) if sink else list(range(last + 1))
+    return sorted({0, *range(last + 1 - recent, last + 1)}) if recent else list(range(last + 1))
 
 
-def make_step(case: Case, device: str, poison: bool = True) -> KVStep:
-    """A KVStep over SEQUENCES in one layer's pages, placed at random in a pool: listed pages hold random
+def make_step(case: Case, device: str, poison: bool = True, sequences: Sequences = SEQUENCES) -> KVStep:
+    """A KVStep over `sequences` in one layer's pages, placed at random in a pool: listed pages hold random
     values; with `poison`, every slot no row may see (past a sequence's last position, unlisted pages) holds
     NaN where the format has floats (values, scales, zero points), so reading one shows."""
     gen = torch.Generator().manual_seed(0)
     layout = KVLayout((KVGroup((0,), case.window),), 1, case.page_size, case.kv_heads, case.head_dim)
     codec = KVCodec(case.codec, layout, case.dtype)
-    listed = [page_indices(start, rows, sink, case.page_size) for start, rows, sink in SEQUENCES]
+    listed = [page_indices(start, rows, recent, case.page_size) for start, rows, recent in sequences]
     pages = sum(map(len, listed)) + 3
     storage = PageStorage(layout, pages, codec, device)
     storage.data.fill_(0xFF if poison else 0)
     ids = iter(torch.randperm(pages, generator=gen).tolist())
     slices = []
-    for (start, rows, _), indices in zip(SEQUENCES, listed, strict=True):
+    for (start, rows, _), indices in zip(sequences, listed, strict=True):
         own = [next(ids) for _ in indices]
         for page in own:
             values = torch.randn(2, 1, case.page_size, case.kv_heads, case.head_dim, generator=gen)
@@ -138,18 +143,19 @@ def reference(q: torch.Tensor, kv: KVStep, scale: float) -> torch.Tensor:
     return out
 
 
-def kernel_call(attend: Callable[..., torch.Tensor], q: torch.Tensor, kv: KVStep) -> torch.Tensor:
+def kernel_call(attend: Callable[..., torch.Tensor], q: torch.Tensor, kv: KVStep, **options: Any) -> torch.Tensor:
     k, v, group, window = kv.pages(0)
     return attend(q, k, v, group.block_table, group.first_pos, group.page_counts, kv.row_seq, kv.row_pos,
-                  window or 0, SCALE)
+                  window or 0, SCALE, **options)
 
 
-def check(case: Case, attend: Callable[..., torch.Tensor], device: str) -> None:
-    kv = make_step(case, device)
-    rows = sum(rows for _, rows, _ in SEQUENCES)
+def check(case: Case, attend: Callable[..., torch.Tensor], device: str, sequences: Sequences = SEQUENCES,
+          **options: Any) -> None:
+    kv = make_step(case, device, sequences=sequences)
+    rows = sum(rows for _, rows, _ in sequences)
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(rows, case.heads, case.head_dim, generator=gen).to(device, case.dtype)
-    out = kernel_call(attend, q, kv)
+    out = kernel_call(attend, q, kv, **options)
     assert out.dtype == q.dtype and out.shape == q.shape
     expected = reference(q, kv, SCALE)
     diff = (out.double().cpu() - expected).abs().max().item()
@@ -157,9 +163,33 @@ def check(case: Case, attend: Callable[..., torch.Tensor], device: str) -> None:
 
 
 @INTERPRETER
+@pytest.mark.parametrize("splits", [None, 3])
 @pytest.mark.parametrize("name", CASES)
-def test_the_kernel_attends_like_the_reference(name: str) -> None:
-    check(CASES[name], triton_attention.paged_attention, "cpu")
+def test_the_kernel_attends_like_the_reference(name: str, splits: int | None) -> None:
+    """In one split (the automatic count for these few pages) and in three, merged: runs of one or two pages,
+    the last split owning no row's pages, a 1-page row's second none either, and some holding only pages a
+    row's window hides."""
+    check(CASES[name], triton_attention.paged_attention, "cpu", splits=splits)
+
+
+@INTERPRETER
+@pytest.mark.parametrize("splits", [1, None, 7])
+def test_a_long_context_attends_like_the_reference_in_any_splits(splits: int | None) -> None:
+    """A sink list of 200 pages in one program, in the automatic 50 splits of 4 pages, and in 7 of 29 (the
+    last shorter)."""
+    case = Case("int4", torch.bfloat16, 4, 1, 64)  # Gemma 3 270M's heads
+    assert triton_attention.split_count(1, case.kv_heads, 200) == 50
+    check(case, triton_attention.paged_attention, "cpu", LONG_SEQUENCES, splits=splits)
+
+
+def test_splits_fill_the_gpu_from_the_shapes_alone() -> None:
+    """Gemma 3 270M (one KV head) at batch 1 over an 8k-token table of 16-token pages: 128 splits of 4 pages;
+    over a 64k-token one, 256 of 16 (not past TARGET_PROGRAMS); a batch whose rows and KV heads fill the GPU
+    alone, or a table too narrow to cut, keeps one."""
+    count = triton_attention.split_count
+    assert count(1, 1, 512) == 128
+    assert count(1, 1, 4096) == 256
+    assert count(64, 8, 4096) == count(1, 1, 4) == count(1, 1, 0) == 1
 
 
 @INTERPRETER
@@ -284,31 +314,38 @@ def test_the_kernel_compiles_for_a_hopper_gpu(
     name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: object
 ) -> None:
     """What the interpreter does not check (types, tl.dot's shapes, constexpr branches as the compiler sees
-    them), checked by compiling the kernel as the launcher would launch it for sm_90, without a GPU."""
+    them), checked by compiling the kernels as the launcher would launch them for sm_90, without a GPU: in
+    one split, and in three with the merge."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel = triton_attention._attend
     launches = []
 
     class Recorder:
-        def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
-            return lambda *args, **options: launches.append((args, options))
+        def __init__(self, kernel: Any) -> None:
+            self.kernel = kernel
 
-    monkeypatch.setattr(triton_attention, "_attend", Recorder())
-    monkeypatch.setattr(triton_attention, "interpreting", lambda: False)  # as the kernel it stands for says
+        def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+            return lambda *args, **options: launches.append((self.kernel, args, options))
+
+    for kernel in ("_attend", "_merge"):
+        monkeypatch.setattr(triton_attention, kernel, Recorder(getattr(triton_attention, kernel)))
+    monkeypatch.setattr(triton_attention, "interpreting", lambda: False)  # as the kernels they stand for say
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     case = CASES[name]
     q = torch.zeros(6, case.heads, case.head_dim, dtype=case.dtype)
-    kernel_call(triton_attention.paged_attention, q, make_step(case, "cpu"))
-    (args, options), = launches
-    fp_fusion = options.pop("enable_fp_fusion")
-    names = [n for n in kernel.arg_names if n not in options]
-    signature = {n: triton.runtime.jit.mangle_type(a) for n, a in zip(names, args, strict=True)}
-    signature |= dict.fromkeys(options, "constexpr")
-    compiled = triton.compile(ASTSource(kernel, signature, options), target=GPUTarget("cuda", 90, 32),
-                              options={"enable_fp_fusion": fp_fusion})
-    assert compiled.asm["cubin"]
+    kv = make_step(case, "cpu")
+    for splits in (1, 3):
+        kernel_call(triton_attention.paged_attention, q, kv, splits=splits)
+    assert [kernel.__name__ for kernel, _, _ in launches] == ["_attend", "_attend", "_merge"]
+    for kernel, args, options in launches:
+        fp_fusion = options.pop("enable_fp_fusion")
+        names = [n for n in kernel.arg_names if n not in options]
+        signature = {n: triton.runtime.jit.mangle_type(a) for n, a in zip(names, args, strict=True)}
+        signature |= dict.fromkeys(options, "constexpr")
+        compiled = triton.compile(ASTSource(kernel, signature, options), target=GPUTarget("cuda", 90, 32),
+                                  options={"enable_fp_fusion": fp_fusion})
+        assert compiled.asm["cubin"]
 
 
 @pytest.mark.cuda
@@ -322,7 +359,8 @@ def test_the_compiled_kernel_attends_like_the_reference(name: str) -> None:
 @pytest.mark.cuda
 @CUDA
 @COMPILED
-def test_the_kernel_is_captured_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("splits", [1, 3])  # the one-kernel launch; the split one, its workspace and merge
+def test_the_kernel_is_captured_in_a_cuda_graph(splits: int) -> None:
     """A captured launch replays over the tensors' new contents (queries, pages, positions), as it must in a
     captured decode step: nothing of them was read on the host."""
     case = CASES["int8-gqa8"]
@@ -332,13 +370,13 @@ def test_the_kernel_is_captured_in_a_cuda_graph() -> None:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        kernel_call(triton_attention.paged_attention, q, kv)  # compiled outside the capture
+        kernel_call(triton_attention.paged_attention, q, kv, splits=splits)  # compiled outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = kernel_call(triton_attention.paged_attention, q, kv)
+        out = kernel_call(triton_attention.paged_attention, q, kv, splits=splits)
     q.copy_(torch.randn(q.shape, generator=gen))
     kv.storage.segments(0)[0].scales.mul_(2)  # type: ignore[union-attr]
     kv.row_pos[:3] -= 1  # the verification rows one position earlier
     graph.replay()
-    assert (out - kernel_call(triton_attention.paged_attention, q, kv)).abs().max() == 0
+    assert (out - kernel_call(triton_attention.paged_attention, q, kv, splits=splits)).abs().max() == 0
