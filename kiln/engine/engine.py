@@ -145,7 +145,7 @@ class Engine:
         self._cache = KVCache(layout, num_pages, codec, config.device, kv_format, tiers)
         stream_pages = -(-config.kv_stream_chunk_tokens // config.page_size)
         self._runner = ModelRunner(self.model, self._cache.storage, config.deterministic, tiers, stream_pages)
-        self.decode_graphs = self._use_decode_graphs(config, loaded.config)
+        self._decode_graphs = self._use_decode_graphs(config, loaded.config)
         self._sampler = Sampler()
         self._step_sampler = StepSampler(self._sampler)
         self._proposer = NgramProposer(config.num_speculative_tokens) if config.speculative == "ngram" else None
@@ -186,6 +186,11 @@ class Engine:
                                               capture=config.platform.captures_graphs)
 
     # ---- what the engine holds ----------------------------------------------------------------------
+
+    @property
+    def decode_graphs(self) -> DecodeGraphs | None:
+        """Decode steps' static buffers and, on a GPU, their captured graphs; None where every step is dynamic."""
+        return self._decode_graphs
 
     @property
     def kv_page_bytes(self) -> int:
