@@ -15,7 +15,6 @@ from functools import cache
 import torch
 
 from kiln.kernels import supported as kernels_supported
-from kiln.kernels import triton_attention
 from kiln.kernels import unavailable_reason as kernels_unavailable_reason
 from kiln.kernels.page_format import KERNEL_DTYPES
 
@@ -69,7 +68,11 @@ class Platform:
     def paged_attention(self) -> bool:
         """Whether steps of few rows per sequence attend with the Triton kernel over the pages where they lie
         (kiln/kernels/triton_attention.py): a CUDA device where Triton runs."""
-        return self.device.type == "cuda" and triton_attention.available()
+        if self.device.type != "cuda":
+            return False
+        from kiln.kernels import triton_attention  # imported where it may run: Triton costs a process 0.2 s
+
+        return triton_attention.available()
 
     @property
     def captures_graphs(self) -> bool:

@@ -566,6 +566,11 @@ class Engine:
         try:
             if self._failure is None:
                 with self._lock:
+                    if self._ahead is not None:  # its rows' K/V, past the histories, was never committed
+                        for chunk in self._ahead.chunks:
+                            seq = chunk.request.seq
+                            seq.num_computed = self._cache.drop(seq.table, seq.num_computed)
+                        self._ahead = None
                     ended = [self._finish(r, "cancelled") for r in self._scheduler.requests()]
                     self._release_finished()
                 self._outputs.deliver(ended)

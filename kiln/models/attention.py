@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from kiln.kernels import kernels
 from kiln.kernels.page_format import CHUNK_TOKENS
-from kiln.kernels.triton_attention import paged_attention
 from kiln.kv.step import KVStep
 from kiln.models.streamed_attention import streamed_attention, tiered_attention
 
@@ -140,6 +139,14 @@ class GatheredAttention(AttentionBackend):
             enable_gqa=True,
         ).transpose(1, 2)
         return out[0] if self.query_valid is None else out[self.query_valid]
+
+
+def paged_attention(*args: object, **options: object) -> torch.Tensor:
+    """kernels/triton_attention.py's paged_attention, imported on first use: importing Triton costs every process
+    about 0.2 s, and only a GPU's runs it."""
+    from kiln.kernels.triton_attention import paged_attention as kernel
+
+    return kernel(*args, **options)  # type: ignore[arg-type]
 
 
 class TritonAttention(AttentionBackend):

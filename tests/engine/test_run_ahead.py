@@ -162,3 +162,28 @@ def test_where_the_device_samples_seeded_sampling_runs_ahead_and_draws_what_the_
     got = ahead.generate(PROMPTS, params)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert launches and max(launches) == 3
+
+
+def test_a_shutdown_while_a_step_runs_ahead_leaves_pages_that_agree_with_the_history(tiny_llm, monkeypatch) -> None:
+    """Shutdown arriving while a step launched ahead is in flight: its rows' K/V was never committed, so the
+    requests it cancels give those pages back, and a session's turn ends checked and clean."""
+    llm = tiny_llm("llama", speculative=None, decode_graphs=True, async_scheduling=True)
+    original = Engine._run_ahead
+
+    def stopping(self, launched):
+        ahead = original(self, launched)
+        seq = launched.chunks[0].request.seq
+        if ahead is not None and seq.num_computed % llm.config.page_size == 0:  # its row took a page of its own
+            self._stopping = True  # the loop ends after this step, the step launched ahead still pending
+        return ahead
+
+    monkeypatch.setattr(Engine, "_run_ahead", stopping)
+    session = llm.create_session()
+    session.append(PROMPTS[0])
+    stream = session.generate(SamplingParams(max_tokens=50, ignore_eos=True))
+    llm.engine._thread.join(timeout=60)
+    assert llm.engine._ahead is not None
+    llm.engine.shutdown()
+    assert stream.result().finish_reason == "cancelled"  # not "error": the turn's end found the pages in order
+    seq = sequence_of(session)
+    llm.engine._cache.check(seq.table, seq.tokens, seq.num_computed)

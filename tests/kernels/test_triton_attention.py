@@ -380,3 +380,11 @@ def test_the_kernel_is_captured_in_a_cuda_graph(splits: int) -> None:
     kv.row_pos[:3] -= 1  # the verification rows one position earlier
     graph.replay()
     assert (out - kernel_call(triton_attention.paged_attention, q, kv, splits=splits)).abs().max() == 0
+
+
+def test_a_process_on_the_cpu_never_imports_triton() -> None:
+    """Importing Triton costs a process about 0.2 s: only a GPU's engine loads the kernel."""
+    code = ("import sys; from kiln.config import EngineConfig; import kiln.llm, kiln.models.attention; "
+            "EngineConfig(device='cpu').platform.paged_attention; print('triton' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr
