@@ -23,6 +23,7 @@ from kiln.engine.batch_sampler import DeviceSample
 from kiln.engine.output import Sampled
 from kiln.engine.scheduler import ScheduledChunk
 from kiln.engine.sequence import Request
+from kiln.engine.transfers import HostCopy
 
 
 @dataclass
@@ -31,8 +32,7 @@ class LaunchedDecode:
 
     chunks: list[ScheduledChunk]
     picked: DeviceSample
-    _host: torch.Tensor | None = field(default=None, repr=False)
-    _ready: torch.cuda.Event | None = field(default=None, repr=False)
+    _copy: HostCopy | None = field(default=None, repr=False)
 
     @property
     def ids(self) -> torch.Tensor:
@@ -40,21 +40,12 @@ class LaunchedDecode:
 
     def copy_out(self) -> None:
         """Start copying the picks to the host, queued before anything launched after this call."""
-        packed = self.picked.packed
-        if packed.device.type != "cuda":
-            self._host = packed.cpu()
-            return
-        self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        self._host.copy_(packed, non_blocking=True)
-        self._ready = torch.cuda.Event()
-        self._ready.record()
+        self._copy = HostCopy(self.picked.packed)
 
     def sampled(self) -> list[list[Sampled]]:
         """Each chunk's token (with what its request asked of it), once this step, not any launched after it,
         is done."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        return [[row] for row in self.picked.results(self._host)]  # type: ignore[arg-type]
+        return [[row] for row in self.picked.results(self._copy.wait())]  # type: ignore[union-attr]
 
     def only(self, keep: list[int]) -> LaunchedDecode:
         """The same step reduced to the chunks at `keep` (the others' requests ended meanwhile)."""

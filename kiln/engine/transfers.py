@@ -24,16 +24,29 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
+class HostCopy:
+    """A device tensor's values on their way to host memory: the copy is queued now, behind the work that
+    computes them, and `wait` waits for it alone (on CUDA a copy into pinned memory and an event recorded after
+    it, not on work queued later). On the host there is nothing to copy."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._ready: torch.cuda.Event | None = None
+        if Platform.of(tensor.device).on_host:
+            self._host = tensor
+        elif tensor.device.type != "cuda":
+            self._host = tensor.to("cpu")
+        else:
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(tensor.device))
+
+    def wait(self) -> torch.Tensor:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host
+
+
 def to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`'s values in host memory, once the device has computed them: on CUDA one copy into pinned
-    memory and a wait on an event recorded after it (not on work queued later)."""
-    if Platform.of(tensor.device).on_host:
-        return tensor
-    if tensor.device.type != "cuda":
-        return tensor.to("cpu")
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record(torch.cuda.current_stream(tensor.device))
-    copied.synchronize()
-    return host
+    """`tensor`'s values in host memory, once the device has computed them (HostCopy, waited for at once)."""
+    return HostCopy(tensor).wait()

@@ -4,13 +4,15 @@ refusals (steps that must stay eager)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from kiln import SamplingParams
 from kiln.config import EngineConfig
 from kiln.engine.decode_graphs import DecodeBucket, bucket_sizes
-from kiln.engine.runner import Chunk, ModelRunner
+from kiln.engine.runner import Chunk, ModelRunner, StepInputs
 from kiln.errors import InvalidArgumentError
 from kiln.kernels import supported as kernels_supported
 from kiln.models import build_model
@@ -57,6 +59,10 @@ def setup(arch: str, path: str, num_tokens: int, max_num_seqs: int = 8) -> tuple
     return paged, static
 
 
+def _in_bucket(inputs: StepInputs, size: int) -> None:
+    assert inputs.decode is not None and inputs.decode.size == size
+
+
 def decode_chunks(paged: PoisonedCache, seqs: list) -> list[Chunk]:
     """A decode step's chunks, one new token per sequence, their pages ensured (a new page holding finite
     garbage, as a reused page does)."""
@@ -69,6 +75,25 @@ def decode_chunks(paged: PoisonedCache, seqs: list) -> list[Chunk]:
     return [Chunk(seq, 1) for seq in seqs]
 
 
+def decode_alike(
+    paged: PoisonedCache, static: ModelRunner, seqs: list, steps: int, tolerance: float,
+    check: Callable[[StepInputs], None] = lambda inputs: None,
+) -> None:
+    """`steps` decode steps of `seqs`, each run dynamically and then statically (its inputs first held to `check`)
+    over the same pages, which both write identically: their logits agree."""
+    for step in range(steps):
+        chunks = decode_chunks(paged, seqs)
+        dynamic = paged.runner.run(paged.runner.prepare(chunks)).clone()
+        inputs = static.prepare(chunks)
+        check(inputs)
+        logits = static.run(inputs)
+        assert logits.shape == dynamic.shape and torch.isfinite(logits).all()
+        torch.testing.assert_close(logits, dynamic, rtol=tolerance, atol=tolerance, msg=f"step {step}")
+        for seq in seqs:
+            seq.num_computed += 1
+            paged.cache.commit(seq.table, seq.tokens, seq.num_computed)
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_static_decode_gives_the_dynamic_steps_logits(arch: str, path: str) -> None:
@@ -79,17 +104,7 @@ def test_static_decode_gives_the_dynamic_steps_logits(arch: str, path: str) -> N
     seqs = [paged.admit(random_tokens(length, seed=length)) for length in (37, 20, 45)]
     for seq, n in zip(seqs, (30, 13, 38), strict=True):
         paged.step([(seq, n)])
-    for step in range(7):
-        chunks = decode_chunks(paged, seqs)
-        dynamic = paged.runner.run(paged.runner.prepare(chunks))
-        inputs = static.prepare(chunks)
-        assert inputs.decode is not None and inputs.decode.size == 4
-        logits = static.run(inputs)
-        assert logits.shape == dynamic.shape and torch.isfinite(logits).all()
-        torch.testing.assert_close(logits, dynamic, rtol=1e-5, atol=1e-5, msg=f"step {step}")
-        for seq in seqs:
-            seq.num_computed += 1
-            paged.cache.commit(seq.table, seq.tokens, seq.num_computed)
+    decode_alike(paged, static, seqs, 7, 1e-5, lambda inputs: _in_bucket(inputs, 4))
 
 
 def test_every_bucket_and_a_lone_sequence_agree() -> None:
@@ -180,14 +195,7 @@ def test_captured_graphs_replay_the_dynamic_steps_logits_on_a_gpu(arch: str, mon
     seqs = [paged.admit(random_tokens(length, seed=length)) for length in (37, 20, 45)]
     for seq, n in zip(seqs, (30, 13, 38), strict=True):
         paged.step([(seq, n)])
-    for step in range(5):
-        chunks = decode_chunks(paged, seqs)
-        dynamic = paged.runner.run(paged.runner.prepare(chunks)).clone()
-        inputs = static.prepare(chunks)
-        torch.testing.assert_close(static.run(inputs), dynamic, rtol=1e-4, atol=1e-4, msg=f"step {step}")
-        for seq in seqs:
-            seq.num_computed += 1
-            paged.cache.commit(seq.table, seq.tokens, seq.num_computed)
+    decode_alike(paged, static, seqs, 5, 1e-4)
 
 
 @pytest.mark.cuda

@@ -289,7 +289,8 @@ def test_static_decode_steps_attend_through_the_kernel_like_the_dynamic_step() -
     """Decode graphs' static buffers (kiln/engine/decode_graphs.py: rows padded to the bucket of 4 reading only
     the scratch page, block tables as wide as max_model_len, the page counts the kernel loops to) through the
     kernel give the dynamic step's logits over gathered pages."""
-    from tests.engine.test_decode_graphs import decode_chunks, setup
+    from kiln.engine.runner import StepInputs
+    from tests.engine.test_decode_graphs import decode_alike, setup
     from tests.models.test_parity import random_tokens
 
     paged, static = setup("gemma3", "gathered", 3 * 40)
@@ -297,15 +298,11 @@ def test_static_decode_steps_attend_through_the_kernel_like_the_dynamic_step() -
     seqs = [paged.admit(random_tokens(length, seed=length)) for length in (23, 9, 30)]
     for seq, n in zip(seqs, (18, 5, 27), strict=True):
         paged.step([(seq, n)])
-    for _ in range(3):
-        chunks = decode_chunks(paged, seqs)
-        dynamic = paged.runner.run(paged.runner.prepare(chunks))
-        inputs = static.prepare(chunks)
+
+    def through_the_kernel(inputs: StepInputs) -> None:
         assert inputs.decode is not None and isinstance(inputs.attention.backend, TritonAttention)
-        torch.testing.assert_close(static.run(inputs), dynamic, rtol=1e-4, atol=1e-4)
-        for seq in seqs:
-            seq.num_computed += 1
-            paged.cache.commit(seq.table, seq.tokens, seq.num_computed)
+
+    decode_alike(paged, static, seqs, 3, 1e-4, through_the_kernel)
 
 
 @COMPILED
